@@ -1,0 +1,289 @@
+"""The decode loop: prefill, then one verify loop for plain and speculative decoding alike.
+
+Each step feeds the last emitted token plus k drafted tokens (k = 0 is a plain step) through the
+model in one pass, keeps the longest prefix of drafts the model agrees with plus the model's own
+next token, and rolls every cache back past the rejected positions. Greedy agreement is
+``draft == argmax``; at temperature it is exact speculative sampling against the same processed
+distribution plain sampling uses (``sampling.verify_sampled``). So the output is the model's own:
+token-identical to plain greedy decoding in float32, and distributed as plain sampling otherwise.
+
+The engine owns its state explicitly: the live cache and the tokens it holds, the cost table and
+acceptance estimates of the gate, and cumulative statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from warmspec_protocol import FinishReason, GenerationStats, SamplingParams
+
+from .cache import Checkpoint
+from .drafting import DEFAULT_MIN_N, NgramDrafter, NgramIndex
+from .gate import CostTable, Gate
+from .model import LoadedModel
+from .sampling import distribution, make_rng, sample, verify_sampled
+from .tokenizer import TextStream
+
+log = logging.getLogger("warmspec.engine")
+
+PREFILL_CHUNK = 512
+MAX_DRAFT = 16
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (e.g. longer than the context); a client error."""
+
+
+class Delta(msgspec.Struct):
+    """Text that became final in one step, and the token ids behind it."""
+
+    text: str
+    tokens: list[int]
+
+
+class Finished(msgspec.Struct):
+    finish_reason: FinishReason
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+
+class Run:
+    """One request's decoding state, alive for the duration of ``Engine.generate_tokens``."""
+
+    def __init__(self, params: SamplingParams, max_tokens: int, stats: GenerationStats):
+        self.params = params
+        self.budget = max_tokens
+        self.stats = stats
+        self.rng = make_rng(params)
+        self.finish_reason: FinishReason = "length"
+
+
+class Engine:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        speculate: bool = True,
+        max_draft: int = MAX_DRAFT,
+        min_n: int = DEFAULT_MIN_N,
+        prefill_chunk: int = PREFILL_CHUNK,
+        costs: CostTable | None = None,
+    ):
+        self.lm = lm
+        self.model = lm.model
+        self.tokenizer = lm.tokenizer
+        self.speculate = speculate
+        self.max_draft = max_draft
+        self.min_n = min_n
+        self.prefill_chunk = prefill_chunk
+        self.cache = make_prompt_cache(self.model)
+        self.cache_tokens: list[int] = []
+        self._costs = costs
+        self._gate: Gate | None = None
+        self.totals = GenerationStats()
+
+    @property
+    def costs(self) -> CostTable:
+        """Verify-pass costs, measured on first use (a few seconds) unless given."""
+        if self._costs is None:
+            self._costs = self.measure_costs()
+        return self._costs
+
+    @property
+    def gate(self) -> Gate:
+        if self._gate is None:
+            self._gate = Gate(self.costs, max_draft=self.max_draft)
+        return self._gate
+
+    # -- measurement ----------------------------------------------------------------------------
+
+    def measure_costs(self, context: int = 128, repeats: int = 3) -> CostTable:
+        """Time verify passes of every width the gate may pick, on a scratch cache."""
+        cache = make_prompt_cache(self.model)
+        vocab = self.lm.model.args.vocab_size if hasattr(self.lm.model, "args") else 1000
+        rng = np.random.default_rng(0)
+        prefix = rng.integers(0, min(vocab, 30000), size=context).tolist()
+        mx.eval(self.model(mx.array([prefix]), cache=cache))
+
+        def forward(p: int) -> None:
+            ids = rng.integers(0, min(vocab, 30000), size=p).tolist()
+            ckpt = Checkpoint(cache, p)
+            mx.eval(mx.argmax(self.model(mx.array([ids]), cache=cache)[0], axis=-1))
+            ckpt.rollback(0)
+
+        widths = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 16, self.max_draft + 1})
+        table = CostTable.measure(forward, [w for w in widths if w <= self.max_draft + 1], repeats)
+        log.info("verify costs (x one position): %s",
+                 ", ".join(f"{p}:{table.relative(p):.2f}" for p in table.base))
+        return table
+
+    # -- text level -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        speculate: bool | None = None,
+        sources: Sequence[NgramIndex] = (),
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Iterator[Delta | Finished]:
+        """Stream text deltas, then one ``Finished`` with the whole text and statistics."""
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        text = TextStream(self.tokenizer, stop)
+        out: list[int] = []
+        run = Run(params, max_tokens, stats)
+        steps = self.generate_tokens(prompt, run, speculate=speculate, sources=sources,
+                                     cancelled=cancelled)
+        try:
+            for new in steps:
+                out.extend(new)
+                delta = "".join(text.push(t) for t in new)
+                if text.stopped:
+                    run.finish_reason = "stop"
+                if delta or text.stopped:
+                    yield Delta(delta, new)
+                if text.stopped:
+                    break
+        finally:
+            steps.close()
+        tail = text.finish()
+        if tail:
+            yield Delta(tail, [])
+        self._add_totals(stats)
+        log.info("request: %s, finish %s", stats.summary(), run.finish_reason)
+        yield Finished(run.finish_reason, text.text, out, stats)
+
+    def _add_totals(self, s: GenerationStats) -> None:
+        t = self.totals
+        for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "drafted",
+                  "accepted", "gated_steps"):
+            setattr(t, f, getattr(t, f) + getattr(s, f))
+        t.prefill_s += s.prefill_s
+        t.decode_s += s.decode_s
+
+    # -- token level ----------------------------------------------------------------------------
+
+    def generate_tokens(
+        self,
+        prompt: Sequence[int],
+        run: Run,
+        *,
+        speculate: bool | None = None,
+        sources: Sequence[NgramIndex] = (),
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the tokens accepted by each pass (cut at end-of-sequence and the budget)."""
+        prompt = list(prompt)
+        if not prompt:
+            raise EngineError("empty prompt")
+        limit = self.lm.context_length
+        if limit and len(prompt) >= limit:
+            raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {limit}")
+        if limit:
+            run.budget = min(run.budget, limit - len(prompt))
+        speculate = self.speculate if speculate is None else speculate
+        t0 = time.perf_counter()
+        self._prefill(prompt, run.stats)
+        run.stats.prefill_s = time.perf_counter() - t0
+        drafter = NgramDrafter(prompt, sources, min_n=self.min_n) if speculate else None
+        t0 = time.perf_counter()
+        pending = prompt[-1]
+        eos = self.tokenizer.eos_ids
+        try:
+            while run.budget > 0:
+                if cancelled is not None and cancelled():
+                    run.finish_reason = "cancelled"
+                    return
+                new = self._step(pending, run, drafter)
+                for i, t in enumerate(new):
+                    if t in eos:
+                        new = new[:i]
+                        run.finish_reason = "stop"
+                        run.budget = 0
+                        break
+                new = new[: run.budget]
+                run.budget -= len(new)
+                run.stats.completion_tokens += len(new)
+                run.stats.decode_s = time.perf_counter() - t0
+                if new:
+                    pending = new[-1]
+                    if drafter is not None:
+                        drafter.extend(new)
+                    yield new
+        finally:
+            run.stats.decode_s = time.perf_counter() - t0
+
+    def _prefill(self, prompt: list[int], stats: GenerationStats) -> None:
+        """Bring the live cache to hold ``prompt[:-1]``, reusing a common prefix when possible."""
+        common = 0
+        for a, b in zip(self.cache_tokens, prompt[:-1]):
+            if a != b:
+                break
+            common += 1
+        rewind = len(self.cache_tokens) - common
+        if rewind and not Checkpoint(self.cache, len(self.cache_tokens)).rollback(common):
+            common = 0  # recurrent state cannot rewind without a checkpoint: start over
+        if common == 0 and self.cache_tokens:
+            self.cache = make_prompt_cache(self.model)
+        self.cache_tokens = prompt[:common]
+        stats.cached_tokens = common
+        rest = prompt[common:-1]
+        for i in range(0, len(rest), self.prefill_chunk):
+            chunk = rest[i : i + self.prefill_chunk]
+            self.model(mx.array([chunk]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.cache_tokens.extend(chunk)
+
+    def _step(self, pending: int, run: Run, drafter: NgramDrafter | None) -> list[int]:
+        """One pass: verify ``pending`` + drafts; return the accepted drafts + the next token."""
+        drafts: list[int] = []
+        match_len = 0
+        if drafter is not None and run.budget > 1:
+            proposal = drafter.propose(min(self.max_draft, run.budget - 1))
+            if proposal is not None:
+                match_len = proposal.match_len
+                k = self.gate.choose(len(proposal.tokens), match_len)
+                drafts = proposal.tokens[:k]
+                if k == 0:
+                    run.stats.gated_steps += 1
+        inputs = [pending, *drafts]
+        ckpt = Checkpoint(self.cache, len(inputs)) if drafts else None
+        t = time.perf_counter()
+        logits = self.model(mx.array([inputs]), cache=self.cache)[0]
+        params = run.params
+        if params.greedy:
+            targets = mx.argmax(logits, axis=-1).tolist()
+            n = 0
+            while n < len(drafts) and drafts[n] == targets[n]:
+                n += 1
+            nxt = targets[n]
+        else:
+            rows = np.array(logits.astype(mx.float32))
+            if drafts:
+                n, nxt = verify_sampled(rows, drafts, params, run.rng)
+            else:
+                n, nxt = 0, sample(distribution(rows[0], params), run.rng)
+        if self._costs is not None:
+            self._costs.observe(len(inputs), time.perf_counter() - t)
+        run.stats.passes += 1
+        if ckpt is not None:
+            if not ckpt.rollback(n + 1):
+                self.model(mx.array([inputs[: n + 1]]), cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                run.stats.passes += 1
+            self.gate.observe(match_len, len(drafts), n)
+            run.stats.drafted += len(drafts)
+            run.stats.accepted += n
+        self.cache_tokens.extend(inputs[: n + 1])
+        return [*drafts[:n], nxt]

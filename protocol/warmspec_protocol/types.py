@@ -1,0 +1,93 @@
+"""msgspec Structs for everything warmspec sends or receives."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+__all__ = [
+    "SamplingParams",
+    "Message",
+    "GenerationStats",
+    "FinishReason",
+]
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+MAX_STOP_STRINGS = 16
+
+
+class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
+    """How the next token is chosen. temperature 0 means greedy.
+
+    The same processed distribution (temperature, then top-k, top-p, min-p) is used by plain and
+    speculative decoding, so speculative sampling is exact.
+    """
+
+    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Message(Struct, kw_only=True):
+    """One chat turn. ``content`` is plain text."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+
+class GenerationStats(Struct, kw_only=True, omit_defaults=False):
+    """What one request cost and how much speculation saved.
+
+    ``passes`` counts forward passes during decoding (prefill excluded); ``tokens_per_pass`` is
+    completion tokens over passes, 1.0 without speculation.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    gated_steps: int = 0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.completion_tokens / self.passes if self.passes else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line a person can read, as logged per request."""
+        line = (
+            f"{self.completion_tokens} tokens, {self.decode_tok_s:.1f} tok/s, "
+            f"prefill {self.prompt_tokens - self.cached_tokens} tok in {self.prefill_s:.2f} s"
+        )
+        if self.cached_tokens:
+            line += f" ({self.cached_tokens} cached)"
+        if self.passes:
+            line += f", {self.passes} passes ({self.tokens_per_pass:.2f} tok/pass)"
+        if self.drafted:
+            line += f", acceptance {self.acceptance:.0%} of {self.drafted} drafted"
+        return line
+
+
+def to_builtins(obj: Struct) -> dict:
+    return msgspec.to_builtins(obj)
