@@ -25,7 +25,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="MLX model directory, Hugging Face id or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding only")
-    p.add_argument("--max-draft", type=int, default=16, help="most tokens drafted per step")
+    p.add_argument("--max-draft", type=int, default=32, help="most tokens drafted per step")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ breaks ties.
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import msgspec
 
@@ -29,6 +29,14 @@ class Proposal(msgspec.Struct, frozen=True):
     tokens: list[int]
     match_len: int
     source: str
+
+
+class Drafter(Protocol):
+    """Anything that guesses: told every accepted token, asked for up to k guesses."""
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, k: int) -> Proposal | None: ...
 
 
 class NgramIndex:
@@ -125,4 +133,12 @@ class NgramDrafter:
             return None
         agree, _, end, src = best
         self.proposals += 1
-        return Proposal(tokens=src.tokens[end + 1 : end + 1 + k], match_len=agree, source=src.name)
+        tokens = src.tokens[end + 1 : end + 1 + k]
+        if src is self.own and len(tokens) < k:
+            # The match runs into the present: the text is repeating with period
+            # len - 1 - end. Continue the cycle instead of stopping short (small models loop,
+            # and a loop is the cheapest thing there is to draft).
+            period = len(context) - 1 - end
+            cycle = context[-period:]
+            tokens = [cycle[i % period] for i in range(k)]
+        return Proposal(tokens=tokens, match_len=agree, source=src.name)

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from warmspec_protocol import FinishReason, GenerationStats, SamplingParams
 
 from .cache import Checkpoint
-from .drafting import DEFAULT_MIN_N, NgramDrafter, NgramIndex
+from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, NgramIndex
 from .gate import CostTable, Gate
 from .model import LoadedModel
 from .sampling import distribution, make_rng, sample, verify_sampled
@@ -34,7 +34,7 @@ from .tokenizer import TextStream
 log = logging.getLogger("warmspec.engine")
 
 PREFILL_CHUNK = 512
-MAX_DRAFT = 16
+MAX_DRAFT = 32
 
 
 class EngineError(ValueError):
@@ -76,6 +76,7 @@ class Engine:
         min_n: int = DEFAULT_MIN_N,
         prefill_chunk: int = PREFILL_CHUNK,
         costs: CostTable | None = None,
+        gated: bool = True,
     ):
         self.lm = lm
         self.model = lm.model
@@ -86,6 +87,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.cache = make_prompt_cache(self.model)
         self.cache_tokens: list[int] = []
+        self.gated = gated
         self._costs = costs
         self._gate: Gate | None = None
         self.totals = GenerationStats()
@@ -100,29 +102,37 @@ class Engine:
     @property
     def gate(self) -> Gate:
         if self._gate is None:
-            self._gate = Gate(self.costs, max_draft=self.max_draft)
+            self._gate = Gate(self.costs, max_draft=self.max_draft, enabled=self.gated)
         return self._gate
 
     # -- measurement ----------------------------------------------------------------------------
 
-    def measure_costs(self, context: int = 128, repeats: int = 3) -> CostTable:
-        """Time verify passes of every width the gate may pick, on a scratch cache."""
-        cache = make_prompt_cache(self.model)
-        vocab = self.lm.model.args.vocab_size if hasattr(self.lm.model, "args") else 1000
+    def measure_costs(self, contexts: Sequence[int] = (64, 1024), repeats: int = 2) -> CostTable:
+        """Time verify passes of the widths the gate may pick, on a scratch cache, at a short
+        and a long context (a few seconds on a CPU)."""
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", 1000)
         rng = np.random.default_rng(0)
-        prefix = rng.integers(0, min(vocab, 30000), size=context).tolist()
-        mx.eval(self.model(mx.array([prefix]), cache=cache))
+        ids = lambda n: rng.integers(0, min(vocab, 30000), size=n).tolist()  # noqa: E731
+        state = {"context": -1, "cache": None}
 
-        def forward(p: int) -> None:
-            ids = rng.integers(0, min(vocab, 30000), size=p).tolist()
+        def forward(p: int, context: int) -> None:
+            if state["context"] != context:
+                state["cache"] = make_prompt_cache(self.model)
+                self.model(mx.array([ids(context)]), cache=state["cache"])
+                mx.eval([c.state for c in state["cache"]])
+                state["context"] = context
+            cache = state["cache"]
             ckpt = Checkpoint(cache, p)
-            mx.eval(mx.argmax(self.model(mx.array([ids]), cache=cache)[0], axis=-1))
+            mx.eval(mx.argmax(self.model(mx.array([ids(p)]), cache=cache)[0], axis=-1))
             ckpt.rollback(0)
 
-        widths = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 16, self.max_draft + 1})
-        table = CostTable.measure(forward, [w for w in widths if w <= self.max_draft + 1], repeats)
-        log.info("verify costs (x one position): %s",
-                 ", ".join(f"{p}:{table.relative(p):.2f}" for p in table.base))
+        top = self.max_draft + 1
+        widths = sorted({w for w in (1, 2, 4, 8, 12, 16, 24, 32, 48) if w < top} | {top})
+        limit = self.lm.context_length or 1 << 30
+        table = CostTable.measure(forward, widths, [c for c in contexts if c + top < limit], repeats)
+        for c in table.points:
+            log.info("verify cost at context %d (x one position): %s", c,
+                     ", ".join(f"{p}:{table.relative(p, c):.2f}" for p in table.widths))
         return table
 
     # -- text level -----------------------------------------------------------------------------
@@ -136,6 +146,7 @@ class Engine:
         stop: Sequence[str] = (),
         speculate: bool | None = None,
         sources: Sequence[NgramIndex] = (),
+        drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[Delta | Finished]:
         """Stream text deltas, then one ``Finished`` with the whole text and statistics."""
@@ -144,7 +155,7 @@ class Engine:
         out: list[int] = []
         run = Run(params, max_tokens, stats)
         steps = self.generate_tokens(prompt, run, speculate=speculate, sources=sources,
-                                     cancelled=cancelled)
+                                     drafter=drafter, cancelled=cancelled)
         try:
             for new in steps:
                 out.extend(new)
@@ -181,9 +192,13 @@ class Engine:
         *,
         speculate: bool | None = None,
         sources: Sequence[NgramIndex] = (),
+        drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[list[int]]:
-        """Yield the tokens accepted by each pass (cut at end-of-sequence and the budget)."""
+        """Yield the tokens accepted by each pass (cut at end-of-sequence and the budget).
+
+        ``drafter`` replaces the default n-gram drafter over the prompt and ``sources``.
+        """
         prompt = list(prompt)
         if not prompt:
             raise EngineError("empty prompt")
@@ -193,10 +208,12 @@ class Engine:
         if limit:
             run.budget = min(run.budget, limit - len(prompt))
         speculate = self.speculate if speculate is None else speculate
+        run.stats.prompt_tokens = len(prompt)
         t0 = time.perf_counter()
         self._prefill(prompt, run.stats)
         run.stats.prefill_s = time.perf_counter() - t0
-        drafter = NgramDrafter(prompt, sources, min_n=self.min_n) if speculate else None
+        if drafter is None and speculate:
+            drafter = NgramDrafter(prompt, sources, min_n=self.min_n)
         t0 = time.perf_counter()
         pending = prompt[-1]
         eos = self.tokenizer.eos_ids
@@ -245,7 +262,7 @@ class Engine:
             mx.eval([c.state for c in self.cache])
             self.cache_tokens.extend(chunk)
 
-    def _step(self, pending: int, run: Run, drafter: NgramDrafter | None) -> list[int]:
+    def _step(self, pending: int, run: Run, drafter: Drafter | None) -> list[int]:
         """One pass: verify ``pending`` + drafts; return the accepted drafts + the next token."""
         drafts: list[int] = []
         match_len = 0
@@ -253,7 +270,7 @@ class Engine:
             proposal = drafter.propose(min(self.max_draft, run.budget - 1))
             if proposal is not None:
                 match_len = proposal.match_len
-                k = self.gate.choose(len(proposal.tokens), match_len)
+                k = self.gate.choose(len(proposal.tokens), match_len, len(self.cache_tokens))
                 drafts = proposal.tokens[:k]
                 if k == 0:
                     run.stats.gated_steps += 1
@@ -275,7 +292,7 @@ class Engine:
             else:
                 n, nxt = 0, sample(distribution(rows[0], params), run.rng)
         if self._costs is not None:
-            self._costs.observe(len(inputs), time.perf_counter() - t)
+            self._costs.observe(len(inputs), len(self.cache_tokens), time.perf_counter() - t)
         run.stats.passes += 1
         if ckpt is not None:
             if not ckpt.rollback(n + 1):

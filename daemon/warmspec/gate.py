@@ -30,64 +30,93 @@ PROBE_EVERY = 16  # a gated-off bin is retried with one draft token after this m
 
 
 class CostTable:
-    """Seconds per forward pass over P positions, measured then tracked online."""
+    """Seconds per forward pass over P positions at a context length, measured then tracked.
 
-    def __init__(self, base: dict[int, float]):
-        if 1 not in base:
-            raise ValueError("a cost table needs the single-position cost")
-        self.base = dict(sorted(base.items()))
+    Measured at two context lengths, because attention makes wide passes dearer as the context
+    grows: here (2 cores, OpenBLAS, default model) 16 positions cost 1.8x one at 200 tokens of
+    context but 2.5x at 1500 -- MLX's CPU ``exp`` is slow, and a verify pass takes the softmax
+    over P x context scores. Between and beyond the two lengths the cost is linear in context.
+    """
+
+    def __init__(self, points: dict[int, dict[int, float]]):
+        """``points``: {context length: {width P: seconds}}; every context must measure P = 1."""
+        if not points or any(1 not in row for row in points.values()):
+            raise ValueError("a cost table needs the single-position cost at every context")
+        self.points = {c: dict(sorted(row.items())) for c, row in sorted(points.items())}
         self.scale = 1.0
         self.correction: dict[int, float] = {}
 
     @classmethod
-    def measure(cls, forward: Callable[[int], None], widths: list[int], repeats: int = 3) -> "CostTable":
-        """Time ``forward(P)`` (which must run and synchronize one pass of P positions on a warm
-        cache and undo it); median of ``repeats`` after one warm-up per width."""
-        base = {}
-        for p in widths:
-            forward(p)
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                forward(p)
-                times.append(time.perf_counter() - t)
-            base[p] = statistics.median(times)
-        return cls(base)
+    def measure(cls, forward: Callable[[int, int], None], widths: list[int],
+                contexts: list[int], repeats: int = 2) -> "CostTable":
+        """Time ``forward(P, context)`` -- one synchronized pass of P positions on a warm cache of
+        that many tokens, undone afterwards -- taking the median of ``repeats`` after a warm-up."""
+        points: dict[int, dict[int, float]] = {}
+        for c in contexts:
+            forward(widths[-1], c)
+            row = {}
+            for p in widths:
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    forward(p, c)
+                    times.append(time.perf_counter() - t)
+                row[p] = statistics.median(times)
+            points[c] = row
+        return cls(points)
 
-    def _base(self, p: int) -> float:
-        if p in self.base:
-            return self.base[p]
-        widths = list(self.base)
+    @staticmethod
+    def _row(row: dict[int, float], p: int) -> float:
+        if p in row:
+            return row[p]
+        widths = list(row)
         lo = max((w for w in widths if w < p), default=widths[0])
         hi = min((w for w in widths if w > p), default=None)
         if hi is None:  # beyond the table: grow linearly from the last two points
             a, b = widths[-2:] if len(widths) > 1 else (widths[-1], widths[-1])
-            slope = (self.base[b] - self.base[a]) / (b - a) if b != a else self.base[b]
-            return self.base[b] + max(slope, 0.0) * (p - b)
+            slope = (row[b] - row[a]) / (b - a) if b != a else row[b]
+            return row[b] + max(slope, 0.0) * (p - b)
         t = (p - lo) / (hi - lo)
-        return self.base[lo] * (1 - t) + self.base[hi] * t
+        return row[lo] * (1 - t) + row[hi] * t
 
-    def cost(self, p: int) -> float:
-        return self._base(p) * self.scale * self.correction.get(p, 1.0)
+    def _base(self, p: int, context: int) -> float:
+        contexts = list(self.points)
+        if len(contexts) == 1:
+            return self._row(self.points[contexts[0]], p)
+        c0, c1 = contexts[0], contexts[-1]
+        b0, b1 = self._row(self.points[c0], p), self._row(self.points[c1], p)
+        t = (context - c0) / (c1 - c0)
+        return max(b0 + (b1 - b0) * t, 0.5 * min(b0, b1))
 
-    def relative(self, p: int) -> float:
-        return self.cost(p) / self.cost(1)
+    def cost(self, p: int, context: int = 0) -> float:
+        return self._base(p, context) * self.scale * self.correction.get(p, 1.0)
 
-    def observe(self, p: int, seconds: float, alpha: float = 0.05, beta: float = 0.2) -> None:
-        """Fold one timed pass in: the whole table drifts slowly (context growth, load), the
-        observed width faster (its shape may change with context, e.g. attention at 8k)."""
-        r = min(max(seconds / self.cost(p), 0.25), 4.0)
+    def relative(self, p: int, context: int = 0) -> float:
+        return self.cost(p, context) / self.cost(1, context)
+
+    def observe(self, p: int, context: int, seconds: float, alpha: float = 0.05,
+                beta: float = 0.2) -> None:
+        """Fold one timed pass in: the whole table drifts slowly (machine load), the observed
+        width faster (its shape may differ from what the load-time measurement saw)."""
+        r = min(max(seconds / self.cost(p, context), 0.25), 4.0)
         self.scale *= 1 + alpha * (r - 1)
         self.correction[p] = self.correction.get(p, 1.0) * (1 + beta * (r - 1))
 
-    def as_dict(self) -> dict[int, float]:
-        return {p: self.cost(p) for p in self.base}
+    @property
+    def widths(self) -> list[int]:
+        return list(next(iter(self.points.values())))
+
+    def as_dict(self, context: int = 0) -> dict[int, float]:
+        return {p: self.cost(p, context) for p in self.widths}
 
 
 class Gate:
-    def __init__(self, costs: CostTable, max_draft: int = 16):
+    """``enabled=False`` always verifies everything proposed (for measurement and tests)."""
+
+    def __init__(self, costs: CostTable, max_draft: int = 16, *, enabled: bool = True):
         self.costs = costs
         self.max_draft = max_draft
+        self.enabled = enabled
         self.rate = {b: PRIOR_ACCEPTANCE for b in MATCH_BINS}
         self.refusals = {b: 0 for b in MATCH_BINS}
 
@@ -95,19 +124,20 @@ class Gate:
     def bin(match_len: int) -> int:
         return max(b for b in MATCH_BINS if b <= max(match_len, MATCH_BINS[0]))
 
-    def choose(self, available: int, match_len: int) -> int:
-        """Drafts to verify out of ``available`` proposed after a match of ``match_len`` tokens."""
+    def choose(self, available: int, match_len: int, context: int = 0) -> int:
+        """Drafts to verify out of ``available`` proposed after a match of ``match_len`` tokens,
+        with ``context`` tokens in the cache."""
         k_max = min(available, self.max_draft)
-        if k_max <= 0:
-            return 0
+        if k_max <= 0 or not self.enabled:
+            return max(k_max, 0)
         b = self.bin(match_len)
         a = self.rate[b]
-        best_k, best = 0, 1.0 / self.costs.cost(1)
+        best_k, best = 0, 1.0 / self.costs.cost(1, context)
         expected, term = 1.0, 1.0
         for k in range(1, k_max + 1):
             term *= a
             expected += term
-            value = expected / self.costs.cost(1 + k)
+            value = expected / self.costs.cost(1 + k, context)
             if value > best:
                 best_k, best = k, value
         if best_k == 0:

@@ -1,0 +1,31 @@
+"""Shared fixtures. The run itself is re-executed on OpenBLAS by ``warmspec._pytest_openblas``
+(enabled in pyproject's addopts), so model tests run at the speed users get."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    """The embedded default model (SmolLM2-135M-Instruct), fetched once into the user cache."""
+    from warmspec.model import load
+
+    return load(None)
+
+
+@pytest.fixture(scope="session")
+def default_costs(default_lm):
+    from warmspec.engine import Engine
+
+    return Engine(default_lm).measure_costs()
+
+
+def chat_prompt(lm, text: str) -> list[int]:
+    tok = lm.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))

@@ -1,0 +1,124 @@
+"""Speculative decoding is exact: token ids equal plain greedy decoding; sampling is distributed
+as plain sampling. Every cache kind is rolled back through the same verify loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from warmspec.drafting import NgramDrafter, Proposal
+from warmspec.engine import Engine, Finished, Run
+from warmspec.gate import CostTable
+from warmspec_protocol import GenerationStats, SamplingParams
+
+import tiny
+from conftest import chat_prompt
+
+# verify passes priced as nearly free, so the gate always drafts what it is offered
+CHEAP = CostTable({0: {1: 1.0, 2: 1.01, 32: 1.1}})
+
+
+class OracleDrafter:
+    """Guesses the reference continuation, corrupting every ``wrong_every``-th guess, so that
+    passes end in every possible way: all accepted, none, and partial prefixes."""
+
+    def __init__(self, prompt, reference, wrong_every=4, k=5, vocab=tiny.VOCAB):
+        self.text = list(prompt) + list(reference)
+        self.pos = len(prompt)
+        self.wrong_every = wrong_every
+        self.k = k
+        self.vocab = vocab
+        self.calls = 0
+
+    def extend(self, tokens):
+        self.pos += len(tokens)
+
+    def propose(self, k):
+        self.calls += 1
+        guess = self.text[self.pos : self.pos + min(k, self.k + self.calls % 3)]
+        if guess and self.calls % self.wrong_every == 0:
+            i = self.calls % len(guess)
+            guess[i] = (guess[i] + 1) % self.vocab
+        return Proposal(tokens=guess, match_len=64, source="oracle") if guess else None
+
+
+def decode(lm, prompt, n, *, drafter=None, speculate=False, params=SamplingParams(), costs=None,
+           gated=True, engine=None):
+    engine = engine or Engine(lm, speculate=speculate, costs=costs or CostTable(CHEAP.points),
+                              gated=gated)
+    stats = GenerationStats()
+    run = Run(params, n, stats)
+    out = [t for new in engine.generate_tokens(prompt, run, drafter=drafter, speculate=speculate)
+           for t in new]
+    return out, stats
+
+
+@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
+@pytest.mark.parametrize("wrong_every", [2, 5])
+def test_oracle_drafts_exact_every_cache_kind(arch, wrong_every):
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(7).integers(0, tiny.VOCAB, 24).tolist()
+    plain, _ = decode(lm, prompt, 60)
+    drafter = OracleDrafter(prompt, plain, wrong_every=wrong_every)
+    spec, stats = decode(lm, prompt, 60, drafter=drafter, speculate=True, gated=False)
+    assert spec == plain
+    assert stats.accepted > 0 and stats.accepted < stats.drafted  # both outcomes happened
+    assert stats.passes < len(plain) or arch == "qwen3_5"  # hybrids may replay
+
+
+def test_rotating_cache_wraps_during_speculation():
+    """gemma3's sliding window is 8 here: 60 tokens wrap it many times mid-speculation."""
+    lm = tiny.build("gemma3_text")
+    prompt = list(range(5, 20))
+    plain, _ = decode(lm, prompt, 60)
+    spec, stats = decode(lm, prompt, 60, drafter=OracleDrafter(prompt, plain, wrong_every=3),
+                         speculate=True, gated=False)
+    assert spec == plain and stats.accepted > 20
+
+
+@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
+def test_ngram_self_drafting_exact(arch):
+    """A prompt that repeats itself makes the n-gram drafter propose; output equals plain."""
+    lm = tiny.build(arch)
+    rng = np.random.default_rng(3)
+    block = rng.integers(0, tiny.VOCAB, 12).tolist()
+    prompt = block * 4
+    plain, _ = decode(lm, prompt, 50)
+    spec, stats = decode(lm, prompt, 50, speculate=True, gated=False)
+    assert spec == plain
+    assert stats.drafted > 0
+
+
+def test_default_model_copy_prompt_exact(default_lm, default_costs):
+    """The real model copying a file: long drafts accepted and some rejected, output identical."""
+    src = (
+        "def parse_header(line):\n"
+        "    key, _, value = line.partition(':')\n"
+        "    return key.strip().lower(), value.strip()\n\n\n"
+        "def parse_headers(lines):\n"
+        "    headers = {}\n"
+        "    for line in lines:\n"
+        "        if not line.strip():\n"
+        "            break\n"
+        "        key, value = parse_header(line)\n"
+        "        headers[key] = value\n"
+        "    return headers\n"
+    )
+    prompt = chat_prompt(default_lm, f"Here is a file:\n```python\n{src}```\nRewrite the whole file, "
+                         "renaming parse_header to split_header. Answer with the file only.")
+    plain, pst = decode(default_lm, prompt, 150, costs=default_costs)
+    spec, sst = decode(default_lm, prompt, 150, speculate=True, costs=default_costs)
+    assert spec == plain
+    assert sst.accepted >= 40 and sst.accepted < sst.drafted
+    assert sst.passes < pst.passes / 2
+
+
+def test_text_level_identical_with_stop(default_lm, default_costs):
+    prompt = chat_prompt(default_lm, "Repeat exactly: alpha beta gamma delta alpha beta gamma delta")
+    outs = []
+    for spec in (False, True):
+        engine = Engine(default_lm, speculate=spec, costs=default_costs)
+        fin = list(engine.generate(prompt, SamplingParams(), max_tokens=60, stop=["delta"]))[-1]
+        assert isinstance(fin, Finished)
+        outs.append((fin.text, fin.finish_reason))
+    assert outs[0] == outs[1]

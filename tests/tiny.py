@@ -1,0 +1,64 @@
+"""Tiny random-weight models of every cache kind, for exactness tests that run in seconds.
+
+mlx-lm builds these architectures from a small config with random weights on CPU: ``llama`` and
+``qwen3`` (attention KV), ``gemma3_text`` (sliding-window layers on ``RotatingKVCache``) and
+``qwen3_5`` (GatedDeltaNet layers on ``ArraysCache`` between attention layers).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+from tokenizers import Tokenizer as HFTokenizer, models
+
+from warmspec.model import LoadedModel
+from warmspec.tokenizer import Tokenizer, _byte_decoder
+
+VOCAB = 256
+
+CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                  tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  vocab_size=VOCAB, rope_theta=10000.0, max_position_embeddings=4096,
+                  tie_word_embeddings=True),
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4,
+                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=16, vocab_size=VOCAB, sliding_window=8, sliding_window_pattern=2,
+                        query_pre_attn_scalar=16, max_position_embeddings=4096),
+    "qwen3_5": dict(model_type="qwen3_5", text_config=dict(
+        model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+        tie_word_embeddings=True, max_position_embeddings=4096,
+        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+}
+
+
+def byte_tokenizer() -> Tokenizer:
+    """256 byte tokens, no merges; token 0 ends a sequence only if a test says so."""
+    table = {b: c for c, b in _byte_decoder().items()}
+    pieces = [table[i] for i in range(VOCAB)]
+    backend = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    return Tokenizer(backend, token_bytes=[bytes([i]) for i in range(VOCAB)], special_ids=(),
+                     eos_ids=())
+
+
+def build(arch: str, seed: int = 0, scale: float = 4.0) -> LoadedModel:
+    """A random model in float32. ``scale`` sharpens the logits so greedy decoding falls into
+    the repetitive loops that make n-gram drafts both succeed and fail."""
+    cfg = CONFIGS[arch]
+    mod = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    model.set_dtype(mx.float32)
+    model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"tiny-{arch}",
+                       source="random", context_length=4096)
