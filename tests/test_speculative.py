@@ -89,27 +89,38 @@ def test_ngram_self_drafting_exact(arch):
     assert stats.drafted > 0
 
 
+COPY_SRC = '''import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Per-user model cache."""
+    if env := os.environ.get("WARMSPEC_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "warmspec"
+
+
+def default_model_path() -> Path:
+    return cache_dir() / "models" / "model.gguf"
+'''
+
+
+def copy_prompt(lm):
+    return chat_prompt(lm, f"You are editing the file `paths.py`.\n\nHere is the current content of "
+                       f"the file:\n\n```python\n{COPY_SRC}```\n\nChange request:\nRename cache_dir to "
+                       "user_cache_dir.\n\nOutput the complete updated file in one fenced code block "
+                       "(```python ... ```) and nothing else: no explanation before or after it, and do "
+                       "not omit or abbreviate any unchanged parts.")
+
+
 def test_default_model_copy_prompt_exact(default_lm, default_costs):
     """The real model copying a file: long drafts accepted and some rejected, output identical."""
-    src = (
-        "def parse_header(line):\n"
-        "    key, _, value = line.partition(':')\n"
-        "    return key.strip().lower(), value.strip()\n\n\n"
-        "def parse_headers(lines):\n"
-        "    headers = {}\n"
-        "    for line in lines:\n"
-        "        if not line.strip():\n"
-        "            break\n"
-        "        key, value = parse_header(line)\n"
-        "        headers[key] = value\n"
-        "    return headers\n"
-    )
-    prompt = chat_prompt(default_lm, f"Here is a file:\n```python\n{src}```\nRewrite the whole file, "
-                         "renaming parse_header to split_header. Answer with the file only.")
-    plain, pst = decode(default_lm, prompt, 150, costs=default_costs)
-    spec, sst = decode(default_lm, prompt, 150, speculate=True, costs=default_costs)
+    prompt = copy_prompt(default_lm)
+    plain, pst = decode(default_lm, prompt, 200, costs=default_costs)
+    spec, sst = decode(default_lm, prompt, 200, speculate=True, costs=default_costs)
     assert spec == plain
-    assert sst.accepted >= 40 and sst.accepted < sst.drafted
+    assert sst.accepted >= 60 and sst.accepted < sst.drafted
     assert sst.passes < pst.passes / 2
 
 

