@@ -42,10 +42,8 @@ class Drafter(Protocol):
 class NgramIndex:
     """An append-only token sequence with an index of where each n-gram ended."""
 
-    def __init__(self, tokens: Sequence[int] = (), *, name: str = "", priority: int = 0,
-                 min_n: int = DEFAULT_MIN_N):
+    def __init__(self, tokens: Sequence[int] = (), *, name: str = "", min_n: int = DEFAULT_MIN_N):
         self.name = name
-        self.priority = priority
         self.min_n = min_n
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], deque[int]] = {}
@@ -102,17 +100,21 @@ class NgramIndex:
             yield agree, end
 
 
+Source = tuple[NgramIndex, int]  # an index and its priority (higher wins ties)
+OWN_PRIORITY = 1 << 30
+
+
 class NgramDrafter:
     """Proposes continuations from the request's own tokens and any extra sources.
 
     ``own`` indexes the request's prompt and everything emitted; ``sources`` are shared indexes
-    (workspace files) that this drafter only reads.
+    (workspace files) with their priority for this request, which this drafter only reads.
     """
 
-    def __init__(self, context: Sequence[int], sources: Sequence[NgramIndex] = (),
+    def __init__(self, context: Sequence[int], sources: Sequence[Source] = (),
                  *, min_n: int = DEFAULT_MIN_N):
-        self.own = NgramIndex(context, name="request", priority=1 << 30, min_n=min_n)
-        self.sources = [s for s in sources if s.min_n == min_n]
+        self.own = NgramIndex(context, name="request", min_n=min_n)
+        self.sources = [(s, prio) for s, prio in sources if s.min_n == min_n]
         self.proposals = 0
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -123,12 +125,12 @@ class NgramDrafter:
             return None
         context = self.own.tokens
         best: tuple[int, int, int, NgramIndex] | None = None
-        for src in (self.own, *self.sources):
+        for src, priority in ((self.own, OWN_PRIORITY), *self.sources):
             exclude = len(context) - 1 if src is self.own else None
             for agree, end in src.candidates(context, exclude_end=exclude):
-                key = (agree, src.priority, end)
+                key = (agree, priority, end)
                 if best is None or key > best[:3]:
-                    best = (agree, src.priority, end, src)
+                    best = (agree, priority, end, src)
         if best is None:
             return None
         agree, _, end, src = best

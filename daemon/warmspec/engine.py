@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from warmspec_protocol import FinishReason, GenerationStats, SamplingParams
 
 from .cache import Checkpoint
-from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, NgramIndex
+from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, Source
 from .gate import CostTable, Gate
 from .model import LoadedModel
 from .sampling import distribution, make_rng, sample, verify_sampled
@@ -77,6 +77,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         costs: CostTable | None = None,
         gated: bool = True,
+        observe_costs: bool = True,
     ):
         self.lm = lm
         self.model = lm.model
@@ -88,6 +89,7 @@ class Engine:
         self.cache = make_prompt_cache(self.model)
         self.cache_tokens: list[int] = []
         self.gated = gated
+        self.observe_costs = observe_costs  # False for replays, whose passes are priced, not timed
         self._costs = costs
         self._gate: Gate | None = None
         self.totals = GenerationStats()
@@ -104,6 +106,11 @@ class Engine:
         if self._gate is None:
             self._gate = Gate(self.costs, max_draft=self.max_draft, enabled=self.gated)
         return self._gate
+
+    def reset(self) -> None:
+        """Drop the live cache (after a failure left it in an unknown state)."""
+        self.cache = make_prompt_cache(self.model)
+        self.cache_tokens = []
 
     # -- measurement ----------------------------------------------------------------------------
 
@@ -145,7 +152,7 @@ class Engine:
         max_tokens: int,
         stop: Sequence[str] = (),
         speculate: bool | None = None,
-        sources: Sequence[NgramIndex] = (),
+        sources: Sequence[Source] = (),
         drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[Delta | Finished]:
@@ -191,7 +198,7 @@ class Engine:
         run: Run,
         *,
         speculate: bool | None = None,
-        sources: Sequence[NgramIndex] = (),
+        sources: Sequence[Source] = (),
         drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[list[int]]:
@@ -293,7 +300,7 @@ class Engine:
                 n, nxt = verify_sampled(rows, drafts, params, run.rng)
             else:
                 n, nxt = 0, sample(distribution(rows[0], params), run.rng)
-        if self._costs is not None:
+        if self._costs is not None and self.observe_costs:
             self._costs.observe(len(inputs), len(self.cache_tokens), time.perf_counter() - t)
         run.stats.passes += 1
         if ckpt is not None:

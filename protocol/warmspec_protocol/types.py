@@ -12,6 +12,8 @@ __all__ = [
     "Message",
     "GenerationStats",
     "FinishReason",
+    "ModelInfo",
+    "Status",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -87,6 +89,33 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
         if self.drafted:
             line += f", acceptance {self.acceptance:.0%} of {self.drafted} drafted"
         return line
+
+
+class ModelInfo(Struct, kw_only=True):
+    """The loaded model."""
+
+    id: str
+    source: str
+    device: str
+    quantized: bool
+    context_length: int | None
+    parameters_bytes: int
+    defaults: SamplingParams
+
+
+class Status(Struct, kw_only=True):
+    """What the daemon is doing: model, queue, cumulative statistics."""
+
+    model: ModelInfo
+    blas: str
+    uptime_s: float
+    queue: int
+    active: bool
+    requests_completed: int
+    requests_failed: int
+    totals: GenerationStats
+    workspace_files: int = 0
+    workspace_bytes: int = 0
 
 
 def to_builtins(obj: Struct) -> dict:

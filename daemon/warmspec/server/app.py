@@ -1,0 +1,104 @@
+"""The daemon's state, shared by every transport: the model, its engine and scheduler, the
+workspace, limits, and the translation of client requests into engine jobs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import msgspec
+
+from warmspec_protocol import ModelInfo, SamplingParams, Status
+
+from .. import blas
+from ..engine import Engine, EngineError
+from ..model import LoadedModel
+from ..workspace import Workspace
+from .scheduler import PRIORITY_NORMAL, Job, Scheduler
+
+
+class Limits(msgspec.Struct, kw_only=True):
+    """Bounds on what one request may ask for."""
+
+    max_body_bytes: int = 16 << 20
+    max_tokens: int = 8192
+    default_max_tokens: int = 1024
+    max_stop: int = 16
+    max_stop_len: int = 256
+
+
+class App:
+    def __init__(self, lm: LoadedModel, engine: Engine, *, workspace_roots: Sequence[Path] = (),
+                 api_key: str | None = None, limits: Limits | None = None):
+        self.lm = lm
+        self.engine = engine
+        self.limits = limits or Limits()
+        self.api_key = api_key
+        self.workspace = Workspace(workspace_roots, lm.tokenizer) if workspace_roots else None
+        self.scheduler = Scheduler(engine, workspace=self.workspace)
+        self.started = time.time()
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    # -- requests -> jobs -------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat rendered by the model's template, ready for the assistant's turn."""
+        if not messages:
+            raise EngineError("messages must not be empty")
+        tok = self.lm.tokenizer
+        return tok.encode(tok.apply_chat_template(list(messages), tools=tools))
+
+    def text_prompt(self, prompt: str) -> list[int]:
+        if not prompt:
+            raise EngineError("prompt must not be empty")
+        return self.lm.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def sampling(self, **given: Any) -> SamplingParams:
+        """The model's defaults overridden by whatever the client set (None = not set)."""
+        changes = {k: v for k, v in given.items() if v is not None}
+        try:
+            return msgspec.convert(msgspec.to_builtins(self.lm.defaults) | changes, SamplingParams)
+        except msgspec.ValidationError as e:
+            raise EngineError(f"invalid sampling parameter: {e}") from None
+
+    def job(self, prompt: list[int], params: SamplingParams, *, max_tokens: int | None,
+            stop: Sequence[str] | str | None = None, speculate: bool = True,
+            priority: int = PRIORITY_NORMAL, conversation: str | None = None, label: str = "") -> Job:
+        lim = self.limits
+        if max_tokens is None:
+            max_tokens = lim.default_max_tokens
+        if not 0 < max_tokens <= lim.max_tokens:
+            raise EngineError(f"max_tokens must be between 1 and {lim.max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > lim.max_stop or any(len(s) > lim.max_stop_len for s in stops):
+            raise EngineError(f"at most {lim.max_stop} stop strings of {lim.max_stop_len} characters")
+        ctx = self.lm.context_length
+        if ctx and len(prompt) >= ctx:
+            raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {ctx}")
+        return Job(prompt=prompt, params=params, max_tokens=max_tokens, stop=stops,
+                   speculate=speculate and self.engine.speculate, priority=priority,
+                   conversation=conversation, label=label)
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        lm = self.lm
+        return ModelInfo(id=lm.name, source=lm.source, device=lm.device, quantized=lm.quantized,
+                         context_length=lm.context_length, parameters_bytes=lm.nbytes,
+                         defaults=lm.defaults)
+
+    def status(self) -> Status:
+        s = self.scheduler
+        ws = self.workspace
+        return Status(model=self.model_info(), blas=blas.describe(), uptime_s=time.time() - self.started,
+                      queue=s.queue_depth, active=s.active is not None,
+                      requests_completed=s.completed, requests_failed=s.failed,
+                      totals=self.engine.totals,
+                      workspace_files=len(ws.files) if ws else 0,
+                      workspace_bytes=ws.nbytes if ws else 0)

@@ -1,0 +1,216 @@
+"""Workspace: which files the agent or editor has read, kept tokenized as n-gram sources.
+
+An agent editing a file copies most of the file it just read; the drafter finds those tokens here.
+A file enters the index when a client reports reading it (``warmspec/didRead``, ``didOpen`` /
+``didChange``, ``ask -f``, file contents seen in a chat's tool results). Paths must resolve inside
+a workspace root (symlinks included); binary files, files over ``max_file_bytes`` and ``.gitignore``d
+paths are refused. Indexes are dropped least-recently-read first beyond ``budget_bytes``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterable
+from urllib.parse import unquote, urlparse
+
+from .drafting import DEFAULT_MIN_N, NgramIndex, Source
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("warmspec.workspace")
+
+MAX_FILE_BYTES = 1 << 20
+DEFAULT_BUDGET_BYTES = 256 << 20
+
+# Source priorities: the request's own tokens rank above all of these (see drafting.py).
+PRIORITY_CONVERSATION = 3  # read in this conversation
+PRIORITY_OPEN = 2  # open in the editor
+PRIORITY_READ = 1  # read earlier, by anyone
+
+
+class WorkspaceError(ValueError):
+    """A path the daemon refuses: outside the roots, ignored, binary or too large."""
+
+
+class _Entry:
+    def __init__(self, path: Path, index: NgramIndex, conversations: set[str], is_open: bool):
+        self.path = path
+        self.index = index
+        self.conversations = conversations
+        self.is_open = is_open
+        self.last_read = time.monotonic()
+
+
+def path_from_uri(path_or_uri: str) -> str:
+    if path_or_uri.startswith("file:"):
+        return unquote(urlparse(path_or_uri).path)
+    return path_or_uri
+
+
+def _gitignore_patterns(root: Path) -> list[str]:
+    f = root / ".gitignore"
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "!")):
+            out.append(line)
+    return out
+
+
+def _ignored(rel: str, patterns: Iterable[str]) -> bool:
+    parts = rel.split("/")
+    for pat in patterns:
+        anchored = pat.startswith("/")
+        pat = pat.strip("/")
+        if anchored:
+            if fnmatch.fnmatch(rel, pat) or any(fnmatch.fnmatch("/".join(parts[: i + 1]), pat)
+                                                 for i in range(len(parts))):
+                return True
+        elif "/" in pat:
+            if fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel, pat + "/*") or rel.startswith(pat + "/"):
+                return True
+        elif any(fnmatch.fnmatch(p, pat) for p in parts):
+            return True
+    return False
+
+
+class Workspace:
+    def __init__(self, roots: Iterable[Path], tokenizer: Tokenizer, *,
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES, max_file_bytes: int = MAX_FILE_BYTES,
+                 min_n: int = DEFAULT_MIN_N):
+        self.roots = [Path(r).resolve() for r in roots]
+        self.tokenizer = tokenizer
+        self.budget_bytes = budget_bytes
+        self.max_file_bytes = max_file_bytes
+        self.min_n = min_n
+        self._entries: OrderedDict[Path, _Entry] = OrderedDict()  # least recently read first
+        self._documents: dict[Path, str] = {}  # open editor buffers (may differ from disk)
+        self._ignore = {r: [".git", *_gitignore_patterns(r)] for r in self.roots}
+        self._lock = threading.RLock()
+
+    # -- paths ------------------------------------------------------------------------------------
+
+    def resolve(self, path_or_uri: str) -> Path:
+        """The real path of a file inside a root; ``WorkspaceError`` otherwise."""
+        raw = path_from_uri(path_or_uri)
+        if not raw or "\x00" in raw:
+            raise WorkspaceError("empty or invalid path")
+        p = Path(raw)
+        if not p.is_absolute():
+            if len(self.roots) != 1:
+                raise WorkspaceError(f"relative path {raw!r} needs exactly one workspace root")
+            p = self.roots[0] / p
+        real = Path(os.path.realpath(p))
+        for root in self.roots:
+            if real == root or root in real.parents:
+                rel = real.relative_to(root).as_posix()
+                if _ignored(rel, self._ignore[root]):
+                    raise WorkspaceError(f"{raw} is ignored (.gitignore)")
+                return real
+        raise WorkspaceError(f"{raw} is outside the workspace roots")
+
+    # -- reads and documents ----------------------------------------------------------------------
+
+    def did_read(self, path_or_uri: str, text: str | None = None, conversation: str | None = None) -> Path:
+        """Record that a client read a file (its text given, or read from disk) and index it."""
+        path = self.resolve(path_or_uri)
+        if text is None:
+            text = self._read_disk(path)
+        self._index(path, text, conversation=conversation)
+        return path
+
+    def did_open(self, uri: str, text: str) -> Path:
+        path = self.resolve(uri)
+        with self._lock:
+            self._documents[path] = text
+        self._index(path, text, is_open=True)
+        return path
+
+    def did_change(self, uri: str, text: str) -> Path:
+        return self.did_open(uri, text)
+
+    def did_close(self, uri: str) -> None:
+        path = self.resolve(uri)
+        with self._lock:
+            self._documents.pop(path, None)
+            if path in self._entries:
+                self._entries[path].is_open = False
+
+    def document_text(self, uri: str) -> str | None:
+        """The editor's buffer for ``uri`` if open, else None."""
+        with self._lock:
+            return self._documents.get(self.resolve(uri))
+
+    def _read_disk(self, path: Path) -> str:
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise WorkspaceError(f"{path}: {e.strerror}") from None
+        if not path.is_file():
+            raise WorkspaceError(f"{path} is not a file")
+        if size > self.max_file_bytes:
+            raise WorkspaceError(f"{path} is larger than {self.max_file_bytes} bytes")
+        data = path.read_bytes()
+        if b"\x00" in data[:8192]:
+            raise WorkspaceError(f"{path} is binary")
+        return data.decode("utf-8", errors="replace")
+
+    def _index(self, path: Path, text: str, *, conversation: str | None = None,
+               is_open: bool = False) -> None:
+        if len(text.encode("utf-8", errors="replace")) > self.max_file_bytes:
+            raise WorkspaceError(f"{path} is larger than {self.max_file_bytes} bytes")
+        with self._lock:
+            old = self._entries.pop(path, None)
+        if old is not None and old.index.tokens == self.tokenizer.encode(text):
+            entry = old  # unchanged: keep the index, refresh its place in the LRU order
+        else:
+            index = NgramIndex(self.tokenizer.encode(text), name=str(path), min_n=self.min_n)
+            entry = _Entry(path, index, set(old.conversations) if old else set(),
+                           old.is_open if old else False)
+        entry.is_open = entry.is_open or is_open
+        entry.last_read = time.monotonic()
+        if conversation:
+            entry.conversations.add(conversation)
+        with self._lock:
+            self._entries[path] = entry
+            self._evict()
+
+    def _evict(self) -> None:
+        total = sum(e.index.nbytes for e in self._entries.values())
+        while total > self.budget_bytes and len(self._entries) > 1:
+            _, e = self._entries.popitem(last=False)
+            total -= e.index.nbytes
+            log.info("workspace: dropped %s from the index (budget %d bytes)", e.path, self.budget_bytes)
+
+    # -- drafting -----------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.index.nbytes for e in self._entries.values())
+
+    @property
+    def files(self) -> list[Path]:
+        with self._lock:
+            return list(self._entries)
+
+    def sources(self, conversation: str | None = None) -> list[Source]:
+        """Indexes to draft from, each with its priority for this conversation."""
+        out = []
+        with self._lock:
+            for e in self._entries.values():
+                if conversation and conversation in e.conversations:
+                    priority = PRIORITY_CONVERSATION
+                elif e.is_open:
+                    priority = PRIORITY_OPEN
+                else:
+                    priority = PRIORITY_READ
+                out.append((e.index, priority))
+        return out
