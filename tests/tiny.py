@@ -50,10 +50,14 @@ def byte_tokenizer() -> Tokenizer:
                      eos_ids=())
 
 
-def build(arch: str, seed: int = 0, scale: float = 4.0) -> LoadedModel:
-    """A random model in float32. ``scale`` sharpens the logits so greedy decoding falls into
-    the repetitive loops that make n-gram drafts both succeed and fail."""
-    cfg = CONFIGS[arch]
+def build(arch: str, seed: int = 0, scale: float = 4.0, vocab: int = VOCAB) -> LoadedModel:
+    """A random model in float32; ``scale`` multiplies every weight matrix (sharper logits)."""
+    cfg = dict(CONFIGS[arch])
+    if vocab != VOCAB:
+        if "text_config" in cfg:
+            cfg["text_config"] = dict(cfg["text_config"], vocab_size=vocab)
+        else:
+            cfg["vocab_size"] = vocab
     mod = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
