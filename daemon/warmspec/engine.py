@@ -24,7 +24,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from warmspec_protocol import FinishReason, GenerationStats, SamplingParams
 
-from .cache import Checkpoint
+from . import hybrid
+from .cache import Checkpoint, has_recurrent
 from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, Source
 from .gate import CostTable, Gate
 from .model import LoadedModel
@@ -78,6 +79,7 @@ class Engine:
         costs: CostTable | None = None,
         gated: bool = True,
         observe_costs: bool = True,
+        recurrent_rollback: str = "capture",
     ):
         self.lm = lm
         self.model = lm.model
@@ -88,6 +90,13 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.cache = make_prompt_cache(self.model)
         self.cache_tokens: list[int] = []
+        if recurrent_rollback not in ("capture", "replay"):
+            raise ValueError("recurrent_rollback must be 'capture' or 'replay'")
+        # Hybrids: capture per-position recurrent states in the verify pass where the model's
+        # structure is known, else restore and replay the accepted tokens.
+        self.capture = (recurrent_rollback == "capture" and has_recurrent(self.cache)
+                        and hybrid.supports(self.model))
+        self.replays = 0
         self.gated = gated
         self.observe_costs = observe_costs  # False for replays, whose passes are priced, not timed
         self._costs = costs
@@ -286,7 +295,11 @@ class Engine:
         inputs = [pending, *drafts]
         ckpt = Checkpoint(self.cache, len(inputs)) if drafts else None
         t = time.perf_counter()
-        logits = self.model(mx.array([inputs]), cache=self.cache)[0]
+        if ckpt is not None and self.capture:
+            logits, ckpt.tape = hybrid.verify_forward(self.model, mx.array([inputs]), self.cache)
+            logits = logits[0]
+        else:
+            logits = self.model(mx.array([inputs]), cache=self.cache)[0]
         params = run.params
         if params.greedy:
             targets = mx.argmax(logits, axis=-1).tolist()
@@ -308,6 +321,7 @@ class Engine:
                 self.model(mx.array([inputs[: n + 1]]), cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 run.stats.passes += 1
+                self.replays += 1
             self.gate.observe(match_len, len(drafts), n)
             run.stats.drafted += len(drafts)
             run.stats.accepted += n
