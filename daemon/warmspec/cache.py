@@ -1,5 +1,11 @@
 """Model caches: one rollback interface for every cache kind, and the prefix store.
 
+Prefix caching: agents resend a growing conversation every turn. The engine keeps its live cache
+as a ``CacheState`` and, when a request diverges from it, parks it in the ``PrefixStore``; a new
+request starts from whichever state serves the longest prefix of its prompt. Attention layers
+rewind to any length; recurrent layers and wrapped sliding windows only to a checkpoint taken at
+regular intervals during prefill, at the end of each prompt and at the end of each answer.
+
 A verify pass appends 1 + k positions to every layer's cache; when only n drafts are accepted the
 last k - n positions must go. Each mlx-lm cache kind needs a different way back:
 
@@ -17,9 +23,12 @@ last k - n positions must go. Each mlx-lm cache kind needs a different way back:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+import time
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
 
@@ -103,3 +112,182 @@ class Checkpoint:
                 c.keys, c.values, c.offset, c._idx = self.snapshots[i]
             else:
                 c.trim(self.n_inputs)
+
+
+# -- prefix caching ---------------------------------------------------------------------------------
+
+def _copy(x: Any) -> Any:
+    """A new handle on the same data: MLX arrays are copy-on-write, but two caches must never share
+    one Python array object (an in-place update of one would rebind the other)."""
+    if isinstance(x, mx.array):
+        return mx.array(x)
+    if isinstance(x, list):
+        return [_copy(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_copy(v) for v in x)
+    return x
+
+
+def _clone_layer(c: Any) -> Any:
+    if isinstance(c, CacheList):
+        return CacheList(*(_clone_layer(x) for x in c.caches))
+    return type(c).from_state(_copy(c.state))
+
+
+def _trimmable_kind(c: Any) -> bool:
+    """Attention caches that hold every position and can drop any suffix."""
+    return not isinstance(c, (RotatingKVCache, ArraysCache)) and c.is_trimmable()
+
+
+def _can_rewind(c: Any, t: int) -> bool:
+    """Can this layer be brought back to ``t`` positions without a checkpoint?"""
+    if isinstance(c, RotatingKVCache):
+        # unwrapped and in temporal order: slot i holds position i
+        return c.keys is None or (c.offset == c._idx and t <= c.offset)
+    if isinstance(c, ArraysCache):
+        return False
+    return c.is_trimmable()
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class CacheState:
+    """A model cache, the tokens whose state it holds, and checkpoints of the layers that cannot
+    be trimmed (recurrent state; sliding windows after they wrap) at chosen positions."""
+
+    def __init__(self, cache: list[Any], tokens: Sequence[int] = (),
+                 checkpoints: dict[int, dict[int, Any]] | None = None):
+        self.cache = cache
+        self.tokens = list(tokens)
+        self.checkpoints: dict[int, dict[int, Any]] = checkpoints or {}
+        self.last_used = time.monotonic()
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(c.nbytes for c in layers(self.cache) if not c.empty())
+        for states in self.checkpoints.values():
+            total += sum(_nbytes(s) for s in states.values())
+        return total
+
+    def _exact_layers(self) -> list[int]:
+        return [i for i, c in enumerate(layers(self.cache)) if not _trimmable_kind(c)]
+
+    def checkpoint(self) -> None:
+        """Remember the untrimmable layers' state at the current length."""
+        exact = self._exact_layers()
+        if exact and self.tokens:
+            leaves = layers(self.cache)
+            self.checkpoints[len(self.tokens)] = {i: _copy(leaves[i].state) for i in exact}
+
+    def usable(self, target: Sequence[int]) -> int:
+        """How many leading tokens of ``target`` this state can serve."""
+        common = _lcp(self.tokens, target)
+        if common == len(self.tokens) or all(_can_rewind(c, common) for c in layers(self.cache)):
+            return common
+        return max((t for t in self.checkpoints if t <= common), default=0)
+
+    def rewind(self, t: int, fresh: Callable[[], list[Any]]) -> None:
+        """Bring the cache back to its first ``t`` tokens (``t`` from ``usable``), in place."""
+        if t == len(self.tokens):
+            return
+        if t == 0:
+            self.cache, self.tokens, self.checkpoints = fresh(), [], {}
+            return
+        saved = self.checkpoints.get(t, {})
+        for i, c in enumerate(layers(self.cache)):
+            if i in saved:
+                c.state = _copy(saved[i])
+            elif not _can_rewind(c, t):
+                raise ValueError(f"layer {i} cannot rewind to {t} without a checkpoint")
+            elif isinstance(c, RotatingKVCache):
+                _slice_rotating(c, c.offset - t)
+            else:
+                c.trim(c.offset - t)
+        del self.tokens[t:]
+        self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= t}
+
+    def clone(self) -> "CacheState":
+        """An independent copy (copy-on-write: nothing is copied until one side writes)."""
+        return CacheState([_clone_layer(c) for c in self.cache], self.tokens, dict(self.checkpoints))
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, mx.array):
+        return x.nbytes
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+def default_budget_bytes() -> int:
+    """A quarter of physical memory, at most 8 GiB: room for a few long agent conversations."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    return min(total // 4, 8 << 30)
+
+
+class PrefixStore:
+    """Caches of earlier requests, reused by the longest usable prefix; LRU within a byte budget.
+
+    Entries are few (a budget of gigabytes holds a handful of long conversations), so lookup
+    compares the new prompt with each entry's tokens (a vectorized longest-common-prefix, well
+    under a millisecond for 8k tokens) instead of maintaining a token trie. An entry whose tokens
+    are a prefix of a newer entry's is dropped when the newer one arrives: its state is a prefix
+    of the newer state and its checkpoints travel with the clone it was made from.
+    """
+
+    def __init__(self, budget_bytes: int | None = None):
+        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
+        self.entries: list[CacheState] = []  # least recently used first
+        self.hits = 0
+        self.misses = 0
+        self.tokens_reused = 0
+        self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def best(self, target: Sequence[int]) -> tuple[CacheState | None, int]:
+        best, best_use = None, 0
+        for e in self.entries:
+            use = e.usable(target)
+            if use > best_use:
+                best, best_use = e, use
+        return best, best_use
+
+    def take(self, entry: CacheState) -> None:
+        entry.last_used = time.monotonic()
+        self.entries.remove(entry)
+        self.entries.append(entry)
+
+    def put(self, state: CacheState) -> None:
+        if not state.tokens:
+            return
+        n = len(state.tokens)
+        kept = []
+        for e in self.entries:
+            if len(e.tokens) <= n and _lcp(e.tokens, state.tokens) == len(e.tokens):
+                for p, saved in e.checkpoints.items():  # same tokens up to p: still valid
+                    state.checkpoints.setdefault(p, saved)
+            else:
+                kept.append(e)
+        self.entries = kept
+        state.last_used = time.monotonic()
+        self.entries.append(state)
+        total = self.nbytes
+        while total > self.budget_bytes and self.entries:
+            gone = self.entries.pop(0)
+            total -= gone.nbytes
+            self.evictions += 1
+
+    def clear(self) -> None:
+        self.entries.clear()

@@ -22,10 +22,10 @@ import msgspec
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from warmspec_protocol import FinishReason, GenerationStats, SamplingParams
+from warmspec_protocol import FinishReason, GenerationStats, PrefixCacheStats, SamplingParams
 
 from . import hybrid
-from .cache import Checkpoint, has_recurrent
+from .cache import CacheState, Checkpoint, PrefixStore, has_recurrent
 from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, Source
 from .gate import CostTable, Gate
 from .model import LoadedModel
@@ -36,6 +36,12 @@ log = logging.getLogger("warmspec.engine")
 
 PREFILL_CHUNK = 512
 MAX_DRAFT = 32
+# Recurrent / wrapped sliding-window layers can resume a prefix only from a checkpoint; one every
+# 2048 prompt tokens bounds the re-prefill after a mid-prompt divergence (~2-4 s on this CPU)
+# while a checkpoint of a Qwen3.5-9B-sized hybrid costs ~50 MB.
+CHECKPOINT_EVERY = 2048
+# A discarded tail at least this long is parked in the prefix store instead of dropped.
+KEEP_TAIL = 32
 
 
 class EngineError(ValueError):
@@ -80,6 +86,8 @@ class Engine:
         gated: bool = True,
         observe_costs: bool = True,
         recurrent_rollback: str = "capture",
+        prefix_budget_bytes: int | None = None,
+        checkpoint_every: int = CHECKPOINT_EVERY,
     ):
         self.lm = lm
         self.model = lm.model
@@ -88,13 +96,14 @@ class Engine:
         self.max_draft = max_draft
         self.min_n = min_n
         self.prefill_chunk = prefill_chunk
-        self.cache = make_prompt_cache(self.model)
-        self.cache_tokens: list[int] = []
+        self.live = CacheState(make_prompt_cache(self.model))
+        self.store = PrefixStore(prefix_budget_bytes)
+        self.checkpoint_every = checkpoint_every
         if recurrent_rollback not in ("capture", "replay"):
             raise ValueError("recurrent_rollback must be 'capture' or 'replay'")
         # Hybrids: capture per-position recurrent states in the verify pass where the model's
         # structure is known, else restore and replay the accepted tokens.
-        self.capture = (recurrent_rollback == "capture" and has_recurrent(self.cache)
+        self.capture = (recurrent_rollback == "capture" and has_recurrent(self.live.cache)
                         and hybrid.supports(self.model))
         self.replays = 0
         self.gated = gated
@@ -116,10 +125,23 @@ class Engine:
             self._gate = Gate(self.costs, max_draft=self.max_draft, enabled=self.gated)
         return self._gate
 
+    @property
+    def cache(self) -> list:
+        return self.live.cache
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        return self.live.tokens
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        st = self.store
+        return PrefixCacheStats(hits=st.hits, misses=st.misses, tokens_reused=st.tokens_reused,
+                                entries=len(st.entries), bytes=st.nbytes, budget_bytes=st.budget_bytes,
+                                evictions=st.evictions)
+
     def reset(self) -> None:
         """Drop the live cache (after a failure left it in an unknown state)."""
-        self.cache = make_prompt_cache(self.model)
-        self.cache_tokens = []
+        self.live = CacheState(make_prompt_cache(self.model))
 
     # -- measurement ----------------------------------------------------------------------------
 
@@ -258,27 +280,50 @@ class Engine:
                     yield new
         finally:
             run.stats.decode_s = time.perf_counter() - t0
+            self.live.checkpoint()  # the end of the answer: the next turn resends it
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> None:
-        """Bring the live cache to hold ``prompt[:-1]``, reusing a common prefix when possible."""
-        common = 0
-        for a, b in zip(self.cache_tokens, prompt[:-1]):
-            if a != b:
-                break
-            common += 1
-        rewind = len(self.cache_tokens) - common
-        if rewind and not Checkpoint(self.cache, len(self.cache_tokens)).rollback(common):
-            common = 0  # recurrent state cannot rewind without a checkpoint: start over
-        if common == 0 and self.cache_tokens:
-            self.cache = make_prompt_cache(self.model)
-        self.cache_tokens = prompt[:common]
-        stats.cached_tokens = common
-        rest = prompt[common:-1]
-        for i in range(0, len(rest), self.prefill_chunk):
-            chunk = rest[i : i + self.prefill_chunk]
+        """Bring the live cache to hold ``prompt[:-1]``, starting from the state (live or stored)
+        that serves the longest prefix of it."""
+        target = prompt[:-1]
+        fresh = lambda: make_prompt_cache(self.model)  # noqa: E731
+        live_use = self.live.usable(target)
+        entry, entry_use = self.store.best(target)
+        if entry is not None and entry_use > live_use:
+            self.store.put(self.live)
+            self.store.take(entry)
+            self.live = entry.clone()
+            reused = entry_use
+        else:
+            if len(self.live.tokens) - live_use >= KEEP_TAIL:
+                self.store.put(self.live)  # park the tail for a later request; continue on a copy
+                self.live = self.live.clone()
+            reused = live_use
+        self.live.rewind(reused, fresh)
+        store = self.store
+        if reused:
+            store.hits += 1
+            store.tokens_reused += reused
+        else:
+            store.misses += 1
+        stats.cached_tokens = reused
+        rest = target[reused:]
+        exact = bool(self.live._exact_layers())
+        i = 0
+        while i < len(rest):
+            n = min(self.prefill_chunk, len(rest) - i)
+            if exact:  # end chunks on checkpoint positions
+                pos = len(self.live.tokens)
+                n = min(n, self.checkpoint_every - pos % self.checkpoint_every)
+            chunk = rest[i : i + n]
             self.model(mx.array([chunk]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
-            self.cache_tokens.extend(chunk)
+            self.live.tokens.extend(chunk)
+            i += n
+            if exact and len(self.live.tokens) % self.checkpoint_every == 0:
+                self.live.checkpoint()
+        if exact:
+            self.live.checkpoint()  # the end of the prompt: where the next turn usually diverges
 
     def _step(self, pending: int, run: Run, drafter: Drafter | None) -> list[int]:
         """One pass: verify ``pending`` + drafts; return the accepted drafts + the next token."""
@@ -325,5 +370,5 @@ class Engine:
             self.gate.observe(match_len, len(drafts), n)
             run.stats.drafted += len(drafts)
             run.stats.accepted += n
-        self.cache_tokens.extend(inputs[: n + 1])
+        self.live.tokens.extend(inputs[: n + 1])
         return [*drafts[:n], nxt]

@@ -13,6 +13,7 @@ __all__ = [
     "GenerationStats",
     "FinishReason",
     "ModelInfo",
+    "PrefixCacheStats",
     "Status",
 ]
 
@@ -103,6 +104,18 @@ class ModelInfo(Struct, kw_only=True):
     defaults: SamplingParams
 
 
+class PrefixCacheStats(Struct, kw_only=True):
+    """Reuse of earlier requests' caches: hits, tokens not prefilled again, memory held."""
+
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    evictions: int = 0
+
+
 class Status(Struct, kw_only=True):
     """What the daemon is doing: model, queue, cumulative statistics."""
 
@@ -116,6 +129,7 @@ class Status(Struct, kw_only=True):
     totals: GenerationStats
     workspace_files: int = 0
     workspace_bytes: int = 0
+    prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
 
 
 def to_builtins(obj: Struct) -> dict:

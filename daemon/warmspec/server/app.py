@@ -101,4 +101,5 @@ class App:
                       requests_completed=s.completed, requests_failed=s.failed,
                       totals=self.engine.totals,
                       workspace_files=len(ws.files) if ws else 0,
-                      workspace_bytes=ws.nbytes if ws else 0)
+                      workspace_bytes=ws.nbytes if ws else 0,
+                      prefix_cache=self.engine.prefix_stats())
