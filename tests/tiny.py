@@ -12,7 +12,7 @@ import importlib
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
-from tokenizers import Tokenizer as HFTokenizer, models
+from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
 from warmspec.model import LoadedModel
 from warmspec.tokenizer import Tokenizer, _byte_decoder
@@ -46,6 +46,7 @@ def byte_tokenizer() -> Tokenizer:
     table = {b: c for c, b in _byte_decoder().items()}
     pieces = [table[i] for i in range(VOCAB)]
     backend = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     return Tokenizer(backend, token_bytes=[bytes([i]) for i in range(VOCAB)], special_ids=(),
                      eos_ids=())
 

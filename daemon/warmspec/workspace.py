@@ -5,6 +5,11 @@ A file enters the index when a client reports reading it (``warmspec/didRead``, 
 ``didChange``, ``ask -f``, file contents seen in a chat's tool results). Paths must resolve inside
 a workspace root (symlinks included); binary files, files over ``max_file_bytes`` and ``.gitignore``d
 paths are refused. Indexes are dropped least-recently-read first beyond ``budget_bytes``.
+
+A watcher (watchdog) keeps read files current when they change on disk -- unless the editor has the
+file open, whose buffer wins. A changed file is re-tokenized, but its index is only cut back to
+the first changed token and extended from there, so an edit near the end of a large file costs
+little.
 """
 
 from __future__ import annotations
@@ -81,6 +86,17 @@ def _ignored(rel: str, patterns: Iterable[str]) -> bool:
     return False
 
 
+def _update_index(index: NgramIndex, tokens: list[int]) -> None:
+    """Make ``index`` hold ``tokens``, re-indexing only from the first token that changed."""
+    old = index.tokens
+    n = min(len(old), len(tokens))
+    common = next((i for i in range(n) if old[i] != tokens[i]), n)
+    if common == len(old) == len(tokens):
+        return
+    index.truncate(common)
+    index.extend(tokens[common:])
+
+
 class Workspace:
     def __init__(self, roots: Iterable[Path], tokenizer: Tokenizer, *,
                  budget_bytes: int = DEFAULT_BUDGET_BYTES, max_file_bytes: int = MAX_FILE_BYTES,
@@ -94,6 +110,8 @@ class Workspace:
         self._documents: dict[Path, str] = {}  # open editor buffers (may differ from disk)
         self._ignore = {r: [".git", *_gitignore_patterns(r)] for r in self.roots}
         self._lock = threading.RLock()
+        self._observer = None
+        self.reindexed = 0  # files re-indexed after a change on disk (for status and tests)
 
     # -- paths ------------------------------------------------------------------------------------
 
@@ -166,20 +184,18 @@ class Workspace:
                is_open: bool = False) -> None:
         if len(text.encode("utf-8", errors="replace")) > self.max_file_bytes:
             raise WorkspaceError(f"{path} is larger than {self.max_file_bytes} bytes")
+        tokens = self.tokenizer.encode(text)
         with self._lock:
-            old = self._entries.pop(path, None)
-        if old is not None and old.index.tokens == self.tokenizer.encode(text):
-            entry = old  # unchanged: keep the index, refresh its place in the LRU order
-        else:
-            index = NgramIndex(self.tokenizer.encode(text), name=str(path), min_n=self.min_n)
-            entry = _Entry(path, index, set(old.conversations) if old else set(),
-                           old.is_open if old else False)
-        entry.is_open = entry.is_open or is_open
-        entry.last_read = time.monotonic()
-        if conversation:
-            entry.conversations.add(conversation)
-        with self._lock:
-            self._entries[path] = entry
+            entry = self._entries.pop(path, None)
+            if entry is None:
+                entry = _Entry(path, NgramIndex(tokens, name=str(path), min_n=self.min_n), set(), False)
+            else:
+                _update_index(entry.index, tokens)
+            entry.is_open = entry.is_open or is_open
+            entry.last_read = time.monotonic()
+            if conversation:
+                entry.conversations.add(conversation)
+            self._entries[path] = entry  # most recently read last
             self._evict()
 
     def _evict(self) -> None:
@@ -188,6 +204,57 @@ class Workspace:
             _, e = self._entries.popitem(last=False)
             total -= e.index.nbytes
             log.info("workspace: dropped %s from the index (budget %d bytes)", e.path, self.budget_bytes)
+
+    # -- watching the disk -------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Start watching the roots; read files changed on disk are re-indexed."""
+        if self._observer is not None or not self.roots:
+            return
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        ws = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event):
+                if event.is_directory:
+                    return
+                for raw in (event.src_path, getattr(event, "dest_path", "")):
+                    if raw:
+                        ws.on_disk_change(Path(os.fsdecode(raw)))
+
+        self._observer = Observer()
+        for root in self.roots:
+            self._observer.schedule(Handler(), str(root), recursive=True)
+        self._observer.daemon = True
+        self._observer.start()
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+            self._observer = None
+
+    def on_disk_change(self, path: Path) -> None:
+        """Re-index ``path`` if it was read and is not open in the editor; drop it if gone."""
+        real = Path(os.path.realpath(path))
+        with self._lock:
+            if real not in self._entries or real in self._documents:
+                return
+        try:
+            text = self._read_disk(real)
+        except WorkspaceError:
+            with self._lock:
+                self._entries.pop(real, None)
+            log.info("workspace: %s is gone or unreadable; dropped from the index", real)
+            return
+        tokens = self.tokenizer.encode(text)
+        with self._lock:
+            entry = self._entries.get(real)
+            if entry is not None and entry.index.tokens != tokens:
+                _update_index(entry.index, tokens)
+                self.reindexed += 1
 
     # -- drafting -----------------------------------------------------------------------------------
 

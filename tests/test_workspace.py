@@ -1,0 +1,131 @@
+"""Workspace read-tracking on a temporary directory: indexing, live updates, ignore rules,
+symlink escapes, memory budget, and drafting from a read file."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from warmspec.drafting import NgramDrafter, NgramIndex
+from warmspec.workspace import Workspace, WorkspaceError, _update_index
+
+from tiny import byte_tokenizer
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "repo"
+    (root / "src").mkdir(parents=True)
+    (root / "build").mkdir()
+    (root / "src" / "app.py").write_text("def main():\n    print('hello world')\n")
+    (root / "src" / "util.py").write_text("def helper(x):\n    return x * 2\n")
+    (root / "build" / "out.py").write_text("generated = True\n")
+    (root / "notes.log").write_text("log line\n")
+    (root / ".gitignore").write_text("build/\n*.log\n")
+    (root / "blob.bin").write_bytes(b"\x00\x01\x02binary")
+    outside = tmp_path / "secret.txt"
+    outside.write_text("top secret\n")
+    (root / "escape.txt").symlink_to(outside)
+    return root
+
+
+def make(root, **kw):
+    return Workspace([root], byte_tokenizer(), **kw)
+
+
+def tokens_of(text):
+    return list(text.encode())
+
+
+def test_read_tracking_and_priorities(tree):
+    ws = make(tree)
+    ws.did_read("src/app.py", conversation="conv-1")
+    ws.did_read(str(tree / "src" / "util.py"))
+    ws.did_open((tree / "src" / "new.py").as_uri(), "class Fresh:\n    pass\n")
+    assert [p.name for p in ws.files] == ["app.py", "util.py", "new.py"]
+    prio = {idx.name.rsplit("/", 1)[-1]: p for idx, p in ws.sources("conv-1")}
+    assert prio["app.py"] > prio["new.py"] > prio["util.py"]
+    assert ws.document_text((tree / "src" / "new.py").as_uri()).startswith("class Fresh")
+
+
+@pytest.mark.parametrize("path, reason", [
+    ("build/out.py", "ignored"),
+    ("notes.log", "ignored"),
+    ("blob.bin", "binary"),
+    ("escape.txt", "outside"),
+    ("../secret.txt", "outside"),
+    ("/etc/passwd", "outside"),
+    (".git/config", "ignored"),
+])
+def test_refused_paths(tree, path, reason):
+    ws = make(tree)
+    with pytest.raises(WorkspaceError, match=reason):
+        ws.did_read(path)
+    assert not ws.files
+
+
+def test_size_limit(tree):
+    ws = make(tree, max_file_bytes=10)
+    with pytest.raises(WorkspaceError, match="larger"):
+        ws.did_read("src/app.py")
+
+
+def test_memory_budget_drops_least_recently_read(tree):
+    for i in range(6):
+        (tree / "src" / f"m{i}.py").write_text(f"# module {i}\n" + "x = 1\n" * 200)
+    one = NgramIndex(tokens_of((tree / "src" / "m0.py").read_text())).nbytes
+    ws = make(tree, budget_bytes=int(one * 3.5))
+    for i in range(6):
+        ws.did_read(f"src/m{i}.py")
+    assert [p.name for p in ws.files] == ["m3.py", "m4.py", "m5.py"]
+    assert ws.nbytes <= ws.budget_bytes
+    ws.did_read("src/m3.py")  # reading again makes it the most recent
+    ws.did_read("src/m0.py")
+    assert [p.name for p in ws.files] == ["m5.py", "m3.py", "m0.py"]
+
+
+def test_live_update_on_disk_change(tree):
+    ws = make(tree)
+    ws.did_read("src/util.py")
+    ws.watch()
+    try:
+        (tree / "src" / "util.py").write_text("def helper(x):\n    return x * 3  # tripled\n")
+        deadline = time.time() + 10
+        while ws.reindexed == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        entry_tokens = ws.sources()[0][0].tokens
+        assert bytes(entry_tokens).decode() == "def helper(x):\n    return x * 3  # tripled\n"
+    finally:
+        ws.stop()
+
+
+def test_open_buffer_wins_over_disk(tree):
+    ws = make(tree)
+    uri = (tree / "src" / "app.py").as_uri()
+    ws.did_open(uri, "edited in the editor\n")
+    ws.on_disk_change(tree / "src" / "app.py")
+    assert bytes(ws.sources()[0][0].tokens).decode() == "edited in the editor\n"
+
+
+def test_incremental_reindex_matches_fresh_index():
+    a = tokens_of("def f(x):\n    return x + 1\n\ndef g(y):\n    return y * 2\n" * 3)
+    b = a[:50] + tokens_of("# changed\n") + a[50:]
+    idx = NgramIndex(a)
+    _update_index(idx, b)
+    fresh = NgramIndex(b)
+    assert idx.tokens == fresh.tokens
+    assert {k: list(v) for k, v in idx.ends.items()} == {k: list(v) for k, v in fresh.ends.items()}
+
+
+def test_drafter_finds_the_read_file_among_many(tree):
+    """The file being copied wins over files sharing its short n-grams."""
+    target = "def compute(a, b):\n    total = a + b\n    return total * scale(a)\n"
+    decoys = ["def other(a, b):\n    total = 0\n", "    total = a - b\n    return total\n"]
+    sources = [(NgramIndex(tokens_of(d), name=f"decoy{i}"), 1) for i, d in enumerate(decoys)]
+    sources.append((NgramIndex(tokens_of(target), name="target"), 1))
+    context = tokens_of("Here is the new version:\ndef compute(a, b):\n    total = a ")
+    proposal = NgramDrafter(context, sources).propose(12)
+    assert proposal.source == "target"
+    assert bytes(proposal.tokens).decode() == "+ b\n    retu"  # 12 byte tokens
