@@ -1,0 +1,722 @@
+"""``warmspec bench``: measured speedup of n-gram speculation over plain decoding, and replays
+that project it onto hardware we don't have.
+
+Measurement. Every case runs in every mode in one process, the modes alternating (plain, ngram,
+plain, ngram, ...), greedy, each mode on one long-lived ``Engine`` whose prefix cache is flushed
+between cases. Speedups are ratios of decode tok/s taken side by side on the same machine at the
+same moment: on a shared 2-core box absolute tok/s drifts with the neighbours' load, the ratio
+much less. As important as the speed: ngram's token ids must equal plain's on every case.
+
+Replay. Given an output known in advance (a case's ``reference``, or plain's output from this
+run), the real engine -- the same drafter, gate and verify loop -- runs against a replay model
+whose logits put all mass on the reference's next token. Greedy verification then accepts
+exactly the drafts that agree with the reference, and every pass is priced from a cost table
+(measured here, or ``--costs`` from other hardware) as ``cost(1 + k, context)``. The step loop
+is not re-implemented here, so a replay cannot drift from the engine: a test checks that
+replaying plain's output reproduces the real ngram run's passes and acceptance exactly.
+
+Nothing here imports MLX at module level: the CLI imports this module before it re-executes
+itself on OpenBLAS, and MLX loaded before that would bind the slow bundled BLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import msgspec
+
+from warmspec_protocol import GenerationStats, Message, SamplingParams
+from warmspec_protocol.bench import (
+    BenchCase,
+    BenchResults,
+    CaseResult,
+    Machine,
+    ModeSummary,
+    PrefixCacheSummary,
+    ReplayResult,
+    ReplaySummary,
+    Summary,
+)
+
+from . import blas
+from .drafting import Source
+from .gate import CostTable
+from .workspace import Workspace, WorkspaceError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .model import LoadedModel
+    from .tokenizer import Tokenizer
+
+MODES = ("plain", "ngram")
+GREEDY = SamplingParams()
+# A token counts as copied when it lies in an 8-token span that also occurs in the prompt (or a
+# file read): 3-grams such as "self." recur in any Python, 8 tokens (a line fragment) rarely by
+# chance.
+COPY_SPAN = 8
+WARMUP_TOKENS = 8
+VARIANTS = ("prompt_only", "in_prompt", "workspace")
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def read_cases(paths: Sequence[Path], limit: int | None = None) -> list[tuple[str, BenchCase]]:
+    """``(file name, case)`` for the first ``limit`` cases of each file, in file order."""
+    out = []
+    for path in paths:
+        lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+        for line in lines[:limit]:
+            case = msgspec.json.decode(line, type=BenchCase)
+            if not case.messages and not case.turns:
+                raise ValueError(f"{path.name}: case {case.id!r} has neither messages nor turns")
+            out.append((path.name, case))
+    return out
+
+
+def read_costs(path: Path) -> CostTable:
+    """A cost table in the shape ``{context: {width: seconds}}``, e.g. a published GPU curve."""
+    return CostTable(msgspec.json.decode(path.read_bytes(), type=dict[int, dict[int, float]]))
+
+
+def chat_ids(tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    return tokenizer.encode(tokenizer.apply_chat_template(chat))
+
+
+def pasted(case: BenchCase) -> list[Message]:
+    """The case's messages with its read files pasted before the first user message: what a
+    client without a workspace index would have to send."""
+    files = case.workspace.files if case.workspace else {}
+    text = "".join(f"Here is the current content of `{p}`:\n\n```\n{files[p].rstrip()}\n```\n\n"
+                   for p in case.read_files if p in files)
+    messages = list(case.messages or case.turns[-1])
+    i = next(i for i, m in enumerate(messages) if m.role == "user")
+    messages[i] = msgspec.structs.replace(messages[i], content=text + messages[i].content)
+    return messages
+
+
+def open_workspace(root: Path, case: BenchCase, tokenizer: Tokenizer) -> Workspace:
+    """Write the case's files under ``root`` and index every one of them: the files read in this
+    conversation (``read_files``) at conversation priority, the others as read earlier. The others
+    are there as distractors -- thirty neighbouring files share plenty of short n-grams with the
+    file being edited."""
+    root = root.resolve()
+    files = case.workspace.files if case.workspace else {}
+    for rel, text in files.items():
+        path = (root / rel).resolve()
+        if root in path.parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    workspace = Workspace([root], tokenizer)
+    for rel in sorted(files, key=lambda r: r in case.read_files):  # read files indexed last
+        try:
+            workspace.did_read(rel, conversation=case.id if rel in case.read_files else None)
+        except WorkspaceError as e:
+            print(f"warmspec bench: {case.id}: skipped workspace file: {e}", file=sys.stderr)
+    return workspace
+
+
+class Prepared(msgspec.Struct):
+    """A case made ready to run: prompt ids per turn, draft sources, and what it may copy from."""
+
+    turns: list[list[int]]
+    sources: list[Source]
+    copied_from: list[list[int]]  # per turn: prompt + files read, for the copy fraction
+    workspace: Workspace | None = None
+
+
+def prepare(case: BenchCase, tokenizer: Tokenizer, root: Path) -> Prepared:
+    turns = [chat_ids(tokenizer, t) for t in (case.turns or [case.messages])]
+    workspace = open_workspace(root, case, tokenizer) if case.workspace else None
+    sources = workspace.sources(conversation=case.id) if workspace else []
+    read = [t for p in case.read_files if case.workspace and p in case.workspace.files
+            for t in tokenizer.encode(case.workspace.files[p])]
+    return Prepared(turns, sources, [p + read for p in turns], workspace)
+
+
+def copy_fraction(output: Sequence[int], source: Sequence[int], span: int = COPY_SPAN) -> float:
+    """Share of ``output`` tokens that lie inside a ``span``-token window also found in ``source``."""
+    if not output:
+        return 0.0
+    grams = {tuple(source[i : i + span]) for i in range(len(source) - span + 1)}
+    covered = [False] * len(output)
+    for j in range(len(output) - span + 1):
+        if tuple(output[j : j + span]) in grams:
+            covered[j : j + span] = [True] * span
+    return sum(covered) / len(output)
+
+
+# -- measured runs --------------------------------------------------------------------------------
+
+
+class Sample(msgspec.Struct):
+    tokens: list[int]
+    stats: GenerationStats
+    ttft_s: float
+    finish_reason: str
+
+
+def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence[Source] = ()) -> Sample:
+    """One greedy generation; time to first token is prefill plus the first pass."""
+    from .engine import Run
+
+    run = Run(GREEDY, max_tokens, GenerationStats())
+    out: list[int] = []
+    ttft = None
+    t0 = time.perf_counter()
+    for new in engine.generate_tokens(prompt, run, sources=sources):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        out.extend(new)
+    return Sample(out, run.stats, ttft or time.perf_counter() - t0, run.finish_reason)
+
+
+def run_modes(engines: dict[str, Engine], prep: Prepared, max_tokens: int,
+              repeat: int) -> dict[str, list[list[Sample]]]:
+    """``{mode: [[sample per turn] per repeat]}``, the modes alternating within each repeat.
+    Each run starts from an empty cache; a conversation's turns share it, as in the daemon."""
+    samples: dict[str, list[list[Sample]]] = {mode: [] for mode in engines}
+    for _ in range(repeat):
+        for mode, engine in engines.items():
+            engine.reset()
+            samples[mode].append([decode(engine, p, max_tokens, prep.sources) for p in prep.turns])
+    return samples
+
+
+def case_rows(file: str, case: BenchCase, prep: Prepared,
+              samples: dict[str, list[list[Sample]]]) -> list[CaseResult]:
+    """One row per mode and turn: medians over repeats; identical means every repeat's token
+    ids equal plain's first run (so plain rows also catch nondeterminism)."""
+    plain = samples.get("plain")
+    rows = []
+    for mode, repeats in samples.items():
+        for turn in range(len(prep.turns)):
+            runs = [r[turn] for r in repeats]
+            ref = plain[0][turn].tokens if plain else None
+            st = [s.stats for s in runs]
+            rows.append(CaseResult(
+                file=file, id=case.id, mode=mode, turn=turn,
+                tokens=len(runs[0].tokens),
+                decode_s=statistics.median(s.decode_s for s in st),
+                prefill_s=statistics.median(s.prefill_s for s in st),
+                ttft_s=statistics.median(s.ttft_s for s in runs),
+                passes=statistics.median_low(s.passes for s in st),
+                drafted=statistics.median_low(s.drafted for s in st),
+                accepted=statistics.median_low(s.accepted for s in st),
+                gated_steps=statistics.median_low(s.gated_steps for s in st),
+                prompt_tokens=st[0].prompt_tokens,
+                cached_tokens=st[0].cached_tokens,
+                finish_reason=runs[0].finish_reason,
+                identical_to_plain=ref is not None and all(s.tokens == ref for s in runs),
+                copy_fraction=copy_fraction(ref if ref is not None else runs[0].tokens,
+                                            prep.copied_from[turn]),
+            ))
+    return rows
+
+
+# -- replay ---------------------------------------------------------------------------------------
+
+
+class Script:
+    """What the replay model predicts -- the prompt, the reference, then end-of-sequence -- and
+    the log of passes it served, as ``(context, width)``."""
+
+    def __init__(self, prompt: Sequence[int], reference: Sequence[int], end: int):
+        self.tokens = [*prompt, *reference, end]
+        self.prompt_len = len(prompt)
+        self.vocab = max(self.tokens) + 1
+        self.passes: list[tuple[int, int]] = []
+
+    def targets(self, start: int, width: int) -> list[int]:
+        """The token following each of positions ``start .. start + width - 1``."""
+        last = len(self.tokens) - 1
+        return [self.tokens[min(i + 1, last)] for i in range(start, start + width)]
+
+    def decode_passes(self) -> list[tuple[int, int]]:
+        """Passes after the prefill: prefill chunks all start before the prompt's last token."""
+        return [(c, w) for c, w in self.passes if c >= self.prompt_len - 1]
+
+
+def replay_engine(lm: LoadedModel, costs: CostTable, max_draft: int) -> Engine:
+    """An ``Engine`` over a replay model, with a frozen cost table (``observe_costs=False``): the
+    gate decides from ``costs`` alone, as it would on the hardware they were measured on.
+
+    The model is a script reader: its cache is mlx-lm's ``KVCache`` fed one dummy key per
+    position, so the engine's rollback trims it like any attention cache, and the cache offset
+    says which position each input row is. Logits are one-hot on the script's next token.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import KVCache
+
+    from .engine import Engine
+    from .model import LoadedModel
+
+    class ReplayModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.script = Script([], [], 0)
+
+        def make_cache(self) -> list[KVCache]:
+            return [KVCache()]
+
+        def __call__(self, inputs: mx.array, cache: list[KVCache]) -> mx.array:
+            start, width = cache[0].offset, inputs.shape[1]
+            dummy = mx.zeros((1, 1, width, 1))
+            cache[0].update_and_fetch(dummy, dummy)
+            self.script.passes.append((start, width))
+            targets = mx.array(self.script.targets(start, width))
+            onehot = mx.arange(self.script.vocab)[None, :] == targets[:, None]
+            return onehot.astype(mx.float32)[None]
+
+    replay_lm = LoadedModel(model=ReplayModel(), tokenizer=lm.tokenizer,
+                            name=f"replay of {lm.name}", source="replay")
+    return Engine(replay_lm, speculate=True, max_draft=max_draft, costs=costs, gated=True,
+                  observe_costs=False)
+
+
+class Replayed(msgspec.Struct):
+    tokens: list[int]
+    stats: GenerationStats
+    cost_s: float  # priced passes
+    plain_cost_s: float  # the same output decoded one token per pass
+
+    @property
+    def projected_speedup(self) -> float:
+        return self.plain_cost_s / self.cost_s if self.cost_s else 0.0
+
+
+def replay(engine: Engine, prompt: list[int], reference: Sequence[int], *,
+           max_tokens: int | None = None, sources: Sequence[Source] = ()) -> Replayed:
+    """Decode ``reference`` after ``prompt`` on a ``replay_engine``, pricing each pass.
+
+    ``max_tokens`` is the budget of the run whose output ``reference`` is (it caps the last
+    drafts exactly as there); by default the reference plus the end-of-sequence token. Plain
+    decoding would spend one pass per token, plus one for end-of-sequence when it stopped.
+    """
+    eos = engine.tokenizer.eos_ids
+    end = min(eos) if eos else 0
+    if max_tokens is None:
+        max_tokens = len(reference) + (1 if eos else 0)
+    from .engine import Run
+
+    engine.model.script = script = Script(prompt, reference, end)
+    engine.reset()
+    run = Run(GREEDY, max_tokens, GenerationStats())
+    out = [t for new in engine.generate_tokens(prompt, run, sources=sources) for t in new]
+    costs = engine.costs
+    cost = sum(costs.cost(width, context) for context, width in script.decode_passes())
+    plain_passes = len(out) + (run.finish_reason == "stop")
+    plain = sum(costs.cost(1, len(prompt) - 1 + i) for i in range(plain_passes))
+    return Replayed(out, run.stats, cost, plain)
+
+
+def replay_variants(case: BenchCase, tokenizer: Tokenizer,
+                    prep: Prepared) -> dict[str, tuple[list[int], list[Source]]]:
+    """``{variant: (prompt, sources)}``: the prompt alone; for workspace cases also the read
+    files pasted into the prompt, and the prompt with the whole workspace index."""
+    prompt = prep.turns[-1]
+    variants = {"prompt_only": (prompt, [])}
+    if prep.workspace is not None:
+        variants["in_prompt"] = (chat_ids(tokenizer, pasted(case)), [])
+        variants["workspace"] = (prompt, prep.sources)
+    return variants
+
+
+def replay_engines(lm: LoadedModel, costs: CostTable, max_draft: int) -> dict[str, Engine]:
+    """One replay engine per variant, each gate keeping its own acceptance history across cases
+    as the daemon's single engine does."""
+    return {v: replay_engine(lm, CostTable(costs.points), max_draft) for v in VARIANTS}
+
+
+def replay_case(file: str, case: BenchCase, prep: Prepared, engines: dict[str, Engine],
+                reference: list[int], source: str, max_tokens: int | None) -> list[ReplayResult]:
+    tokenizer = engines["prompt_only"].tokenizer
+    rows = []
+    for variant, (prompt, sources) in replay_variants(case, tokenizer, prep).items():
+        r = replay(engines[variant], prompt, reference, max_tokens=max_tokens, sources=sources)
+        st = r.stats
+        rows.append(ReplayResult(
+            file=file, id=case.id, variant=variant, reference=source,
+            tokens=st.completion_tokens, passes=st.passes, drafted=st.drafted,
+            accepted=st.accepted, tokens_per_pass=st.tokens_per_pass,
+            projected_speedup=r.projected_speedup, cost_s=r.cost_s, plain_cost_s=r.plain_cost_s,
+            copy_fraction=copy_fraction(reference, prep.copied_from[-1]),
+        ))
+    return rows
+
+
+# -- summaries ------------------------------------------------------------------------------------
+
+
+def _key(r: CaseResult) -> tuple[str, str, int]:
+    return r.file, r.id, r.turn
+
+
+def _rate(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def case_speedup(row: CaseResult, plain: CaseResult) -> float:
+    base = _rate(plain.tokens, plain.decode_s)
+    return _rate(row.tokens, row.decode_s) / base if base else 0.0
+
+
+def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseResult]) -> ModeSummary:
+    """Totals over the mode's rows; the speedup is over the rows plain also ran: the ratio of
+    total decode tok/s (plain decode time / mode decode time when outputs are identical)."""
+    tokens = sum(r.tokens for r in rows)
+    decode_s = sum(r.decode_s for r in rows)
+    both = [r for r in rows if _key(r) in plain]
+    base = _rate(sum(plain[_key(r)].tokens for r in both), sum(plain[_key(r)].decode_s for r in both))
+    drafted = sum(r.drafted for r in rows)
+    passes = sum(r.passes for r in rows)
+    return ModeSummary(
+        cases=len(rows), tokens=tokens, decode_s=decode_s, tok_s=_rate(tokens, decode_s),
+        speedup_vs_plain=_rate(sum(r.tokens for r in both), sum(r.decode_s for r in both)) / base
+        if base else 0.0,
+        acceptance=sum(r.accepted for r in rows) / drafted if drafted else 0.0,
+        tokens_per_pass=tokens / passes if passes else 0.0,
+        identical=f"{sum(r.identical_to_plain for r in rows)}/{len(rows)}",
+    )
+
+
+def prefix_cache_summary(rows: list[CaseResult]) -> PrefixCacheSummary | None:
+    """Time to first token of conversations: first turns (cold cache) against later turns, which
+    resend the earlier ones and should find them in the prefix cache. All modes pooled."""
+    multi = {(r.file, r.id) for r in rows if r.turn > 0}
+    cold = [r.ttft_s for r in rows if (r.file, r.id) in multi and r.turn == 0]
+    warm = [r.ttft_s for r in rows if r.turn > 0]
+    if not warm:
+        return None
+    return PrefixCacheSummary(turns_cold=len(cold), turns_warm=len(warm),
+                              ttft_cold_s=statistics.median(cold), ttft_warm_s=statistics.median(warm))
+
+
+def replay_summary(rows: list[ReplayResult]) -> ReplaySummary:
+    """Totals over cases: tokens per pass, and priced plain time over priced speculative time."""
+    tokens = sum(r.tokens for r in rows)
+    passes = sum(r.passes for r in rows)
+    drafted = sum(r.drafted for r in rows)
+    cost = sum(r.cost_s for r in rows)
+    return ReplaySummary(
+        cases=len(rows), tokens=tokens, passes=passes,
+        tokens_per_pass=tokens / passes if passes else 0.0,
+        projected_speedup=sum(r.plain_cost_s for r in rows) / cost if cost else 0.0,
+        acceptance=sum(r.accepted for r in rows) / drafted if drafted else 0.0,
+    )
+
+
+def summarize(rows: list[CaseResult], replays: list[ReplayResult]) -> Summary:
+    plain = {_key(r): r for r in rows if r.mode == "plain"}
+    modes = {m: mode_summary([r for r in rows if r.mode == m], plain) for m in MODES
+             if any(r.mode == m for r in rows)}
+    variants = {v: replay_summary([r for r in replays if r.variant == v]) for v in VARIANTS
+                if any(r.variant == v for r in replays)}
+    return Summary(**modes, prefix_cache=prefix_cache_summary(rows), replay=variants)
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def machine() -> Machine:
+    import mlx.core as mx
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return Machine(cpu=cpu, cores=os.cpu_count() or 0, os=platform.platform(),
+                   python=platform.python_version(), mlx=mx.__version__,
+                   mlx_lm=metadata.version("mlx-lm"), device=str(mx.default_device()),
+                   blas=blas.describe(), load_avg=os.getloadavg()[0])
+
+
+def _progress(i: int, n: int, file: str, case: BenchCase, rows: list[CaseResult],
+              replays: list[ReplayResult]) -> None:
+    plain = {_key(r): r for r in rows if r.mode == "plain"}
+    turns = any(r.turn for r in rows)
+    parts = []
+    for r in rows:
+        part = f"{r.mode}{f' turn {r.turn + 1}' if turns else ''} {_rate(r.tokens, r.decode_s):.1f} tok/s"
+        if r.mode != "plain" and _key(r) in plain:
+            part += (f" ({case_speedup(r, plain[_key(r)]):.2f}x, {r.tokens / max(r.passes, 1):.1f}"
+                     f" tok/pass, {'identical' if r.identical_to_plain else 'DIFFERS'})")
+        parts.append(part)
+    parts += [f"replay {r.variant} {r.tokens_per_pass:.1f} tok/pass" for r in replays]
+    print(f"[{i}/{n}] {file} {case.id}: " + " | ".join(parts), file=sys.stderr, flush=True)
+
+
+def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence[str] = MODES,
+          repeat: int = 1, limit: int | None = None, max_tokens_cap: int | None = None,
+          replay_outputs: bool = False, max_draft: int | None = None, costs: CostTable | None = None,
+          replay_costs: CostTable | None = None, replay_costs_name: str = "measured") -> BenchResults:
+    """Run every case of ``inputs`` in every mode, replay the cases that have a reference (and,
+    with ``replay_outputs``, plain's outputs of the others), and write results.json, report.md
+    and speedup.png under ``out``.
+
+    ``costs``: the verify cost table of the ngram engine (measured here when None);
+    ``replay_costs``: the table that prices replays (default: the one measured here, frozen).
+    """
+    from .engine import MAX_DRAFT, Engine, EngineError
+
+    max_draft = max_draft or MAX_DRAFT
+    cases = read_cases(inputs, limit)
+    wants_replay = replay_outputs or any(c.reference for _, c in cases)
+    if costs is None and ("ngram" in modes or (wants_replay and replay_costs is None)):
+        print("warmspec bench: measuring verify costs…", file=sys.stderr, flush=True)
+        costs = Engine(lm, max_draft=max_draft).measure_costs()
+    engines = {m: Engine(lm, speculate=m == "ngram", max_draft=max_draft,
+                         costs=CostTable(costs.points) if costs else None) for m in modes}
+    replayers = replay_engines(lm, replay_costs or costs, max_draft) if wants_replay else {}
+    info = machine()
+    if cases and engines:  # the first passes of a process allocate: keep them out of case 1
+        for engine in engines.values():
+            decode(engine, chat_ids(lm.tokenizer, cases[0][1].messages or cases[0][1].turns[0]),
+                   WARMUP_TOKENS)
+    rows: list[CaseResult] = []
+    replays: list[ReplayResult] = []
+    for i, (file, case) in enumerate(cases, 1):
+        max_tokens = min(case.max_tokens, max_tokens_cap or case.max_tokens)
+        with tempfile.TemporaryDirectory(prefix="warmspec-bench-") as tmp:
+            prep = prepare(case, lm.tokenizer, Path(tmp))
+            try:
+                samples = run_modes(engines, prep, max_tokens, repeat)
+            except EngineError as e:
+                print(f"warmspec bench: {file} {case.id}: skipped: {e}", file=sys.stderr)
+                continue
+            new = case_rows(file, case, prep, samples)
+            done: list[ReplayResult] = []
+            if replayers and case.reference:
+                done = replay_case(file, case, prep, replayers,
+                                   lm.tokenizer.encode(case.reference), "case", None)
+            elif replayers and "plain" in samples and len(prep.turns) == 1:
+                done = replay_case(file, case, prep, replayers, samples["plain"][0][0].tokens,
+                                   "plain", max_tokens)
+        rows += new
+        replays += done
+        _progress(i, len(cases), file, case, new, done)
+    names = [p.name for p in inputs]
+    results = BenchResults(
+        machine=info, model=lm.name, inputs=names, modes=list(modes), repeat=repeat,
+        max_draft=max_draft, costs=costs.points if costs else {},
+        replay_costs=replay_costs_name if replayers else "", cases=rows, replays=replays,
+        summary=summarize(rows, replays),
+        files={f: summarize([r for r in rows if r.file == f], [r for r in replays if r.file == f])
+               for f in names},
+    )
+    write(results, out)
+    return results
+
+
+def write(results: BenchResults, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(results), indent=2))
+    (out / "report.md").write_text(report(results))
+    plot(results, out / "speedup.png")
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+
+
+def report(res: BenchResults) -> str:
+    m = res.machine
+    lines = [
+        f"# warmspec bench: {res.model}", "",
+        f"- machine: {m.cpu}, {m.cores} cores, {m.os}; {m.device}, {m.blas}; MLX {m.mlx}, "
+        f"mlx-lm {m.mlx_lm}, Python {m.python}; load average {m.load_avg:.2f} at start",
+        f"- inputs: {', '.join(res.inputs)}; modes {', '.join(res.modes) or 'none'} alternating per "
+        f"case, greedy, repeat {res.repeat} (medians); max draft {res.max_draft}",
+        "- speedup: plain decode tok/s against the mode's on the same cases; identical: token ids "
+        "equal plain's", "",
+        "## Per input file", "",
+    ]
+    summary_rows = []
+    for f, s in res.files.items():
+        for mode in MODES:
+            ms: ModeSummary | None = getattr(s, mode)
+            if ms is not None:
+                summary_rows.append((f, mode, ms.cases, ms.tokens, f"{ms.decode_s:.1f}",
+                                     f"{ms.tok_s:.1f}", f"{ms.speedup_vs_plain:.2f}x",
+                                     f"{ms.acceptance:.0%}", f"{ms.tokens_per_pass:.2f}", ms.identical))
+    lines += _table(("file", "mode", "cases", "tokens", "decode s", "tok/s", "speedup vs plain",
+                     "acceptance", "tokens/pass", "identical"), summary_rows)
+    prefix = [(f, s.prefix_cache) for f, s in res.files.items() if s.prefix_cache]
+    if prefix:
+        lines += ["", "## Prefix cache: time to first token (all modes pooled)", ""]
+        lines += _table(("file", "cold turns", "warm turns", "TTFT cold s", "TTFT warm s"),
+                        [(f, p.turns_cold, p.turns_warm, f"{p.ttft_cold_s:.3f}", f"{p.ttft_warm_s:.3f}")
+                         for f, p in prefix])
+    if res.replays:
+        lines += ["", f"## Replay: drafting and gate against a known output, priced with the "
+                  f"{res.replay_costs} cost table", "",
+                  "prompt_only: drafts from the prompt and the output; in_prompt: the read files "
+                  "pasted into the prompt; workspace: every workspace file indexed, the read ones "
+                  "at conversation priority.", ""]
+        lines += _table(("file", "variant", "cases", "tokens", "tokens/pass", "acceptance",
+                         "projected speedup"),
+                        [(f, v, r.cases, r.tokens, f"{r.tokens_per_pass:.2f}", f"{r.acceptance:.0%}",
+                          f"{r.projected_speedup:.2f}x")
+                         for f, s in res.files.items() for v, r in s.replay.items()])
+    plain = {_key(r): r for r in res.cases if r.mode == "plain"}
+    lines += ["", "## Cases", ""]
+    lines += _table(
+        ("file", "id", "turn", "mode", "tokens", "prefill s", "TTFT s", "decode s", "tok/s",
+         "speedup", "passes", "tokens/pass", "accepted/drafted", "identical", "copy fraction"),
+        [(r.file, r.id, r.turn, r.mode, r.tokens, f"{r.prefill_s:.2f}", f"{r.ttft_s:.3f}",
+          f"{r.decode_s:.2f}", f"{_rate(r.tokens, r.decode_s):.1f}",
+          f"{case_speedup(r, plain[_key(r)]):.2f}x" if _key(r) in plain else "",
+          r.passes, f"{r.tokens / r.passes:.2f}" if r.passes else "", f"{r.accepted}/{r.drafted}",
+          "yes" if r.identical_to_plain else "NO", f"{r.copy_fraction:.0%}") for r in res.cases])
+    if res.replays:
+        lines += ["", "## Replays", ""]
+        lines += _table(("file", "id", "variant", "reference", "tokens", "passes", "tokens/pass",
+                         "accepted/drafted", "projected speedup", "copy fraction"),
+                        [(r.file, r.id, r.variant, r.reference, r.tokens, r.passes,
+                          f"{r.tokens_per_pass:.2f}", f"{r.accepted}/{r.drafted}",
+                          f"{r.projected_speedup:.2f}x", f"{r.copy_fraction:.0%}")
+                         for r in res.replays])
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: BenchResults, path: Path) -> None:
+    """Per-case speedup against copy fraction, one colour per input file; projected speedups of
+    the replays beside it, one marker per variant."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("warmspec bench: no speedup.png: matplotlib is missing (pip install 'warmspec[bench]')",
+              file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colour = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(res.inputs)}
+    fig, axes = plt.subplots(1, 2 if res.replays else 1, figsize=(13 if res.replays else 7, 5.5),
+                             squeeze=False)
+    ax = axes[0][0]
+    plain = {_key(r): r for r in res.cases if r.mode == "plain"}
+    for f in res.inputs:
+        pts = [(r.copy_fraction, case_speedup(r, plain[_key(r)])) for r in res.cases
+               if r.file == f and r.mode != "plain" and _key(r) in plain]
+        if pts:
+            ax.scatter(*zip(*pts), color=colour[f], label=f"{f} ({len(pts)})", alpha=0.8)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set(xlabel=f"copy fraction (share of plain output in {COPY_SPAN}-token spans of the prompt"
+                  " or files read)", ylabel="measured decode speedup, ngram vs plain (x)",
+           title="measured on this machine", xlim=(-0.03, 1.03))
+    if ax.has_data():
+        ax.legend(loc="upper left", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no ngram and plain runs", ha="center", transform=ax.transAxes)
+    if res.replays:
+        ax = axes[0][1]
+        markers = dict(zip(VARIANTS, "os^"))
+        for f in res.inputs:
+            for v in VARIANTS:
+                pts = [(r.copy_fraction, r.projected_speedup) for r in res.replays
+                       if r.file == f and r.variant == v]
+                if pts:
+                    ax.scatter(*zip(*pts), color=colour[f], marker=markers[v], alpha=0.8,
+                               label=f"{f}: {v} ({len(pts)})")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel=f"copy fraction (share of reference in {COPY_SPAN}-token spans of the prompt"
+                      " or files read)", ylabel="projected decode speedup (x)",
+               title=f"replayed, priced with the {res.replay_costs} cost table", xlim=(-0.03, 1.03))
+        ax.legend(loc="upper left", fontsize=8)
+    m = res.machine
+    fig.suptitle(f"warmspec n-gram speculation vs plain greedy decoding: {res.model}\n"
+                 f"{m.cpu}, {m.cores} cores, {m.device}, {m.blas.split(' (')[0]}, MLX {m.mlx}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_summary(res: BenchResults, file=sys.stdout) -> None:
+    for f, s in res.files.items():
+        parts = []
+        for mode in MODES:
+            ms: ModeSummary | None = getattr(s, mode)
+            if ms is not None and mode != "plain":
+                parts.append(f"{mode} {ms.speedup_vs_plain:.2f}x vs plain ({ms.tok_s:.1f} tok/s), "
+                             f"acceptance {ms.acceptance:.0%}, {ms.tokens_per_pass:.2f} tok/pass, "
+                             f"identical {ms.identical}")
+            elif ms is not None and len(res.modes) == 1:
+                parts.append(f"{mode} {ms.tok_s:.1f} tok/s")
+        if s.prefix_cache:
+            p = s.prefix_cache
+            parts.append(f"TTFT cold {p.ttft_cold_s:.2f} s, warm {p.ttft_warm_s:.2f} s")
+        parts += [f"replay {v}: {r.tokens_per_pass:.2f} tok/pass, projected {r.projected_speedup:.2f}x"
+                  for v, r in s.replay.items()]
+        print(f"{f}: " + ("; ".join(parts) or "no cases"), file=file)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure speculative against plain decoding on prompt files",
+        description="Run each case in every mode (alternating, greedy, one process) and write "
+                    "DIR/results.json, DIR/report.md and DIR/speedup.png.")
+    p.add_argument("prompts", nargs="+", type=Path, metavar="PROMPTS.jsonl")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR")
+    p.add_argument("--model", "-m", default=None, help="model to load (default: the embedded one)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated modes among plain,ngram (empty: replay only)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per case and mode (medians)")
+    p.add_argument("--limit", type=int, default=None, help="first N cases of each file")
+    p.add_argument("--replay", action="store_true",
+                   help="also replay plain's outputs of cases without a reference")
+    p.add_argument("--costs", type=Path, default=None, metavar="COSTS.json",
+                   help="price replays with this {context: {width: seconds}} table")
+    p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
+                   help="decode at most N tokens per case")
+    p.add_argument("--max-draft", type=int, default=None, help="most tokens drafted per step")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .model import ModelError, load
+
+    modes = [m for m in args.modes.split(",") if m]
+    if any(m not in MODES for m in modes) or len(set(modes)) != len(modes) or args.repeat < 1:
+        print(f"warmspec bench: --modes takes distinct modes among {','.join(MODES)}; "
+              "--repeat at least 1", file=sys.stderr)
+        return 2
+    try:
+        read_cases(args.prompts, args.limit)  # fail on bad input before loading the model
+        replay_costs = read_costs(args.costs) if args.costs else None
+    except (OSError, ValueError, msgspec.DecodeError) as e:
+        print(f"warmspec bench: {e}", file=sys.stderr)
+        return 2
+    try:
+        lm = load(args.model)
+    except ModelError as e:
+        print(f"warmspec bench: {e}", file=sys.stderr)
+        return 1
+    results = bench(lm, args.prompts, args.out, modes=modes, repeat=args.repeat, limit=args.limit,
+                    max_tokens_cap=args.max_tokens_cap, replay_outputs=args.replay,
+                    max_draft=args.max_draft, replay_costs=replay_costs,
+                    replay_costs_name=str(args.costs) if args.costs else "measured")
+    print_summary(results)
+    print(f"wrote {args.out}/results.json, report.md, speedup.png", file=sys.stderr)
+    return 0

@@ -1,0 +1,145 @@
+"""msgspec Structs of ``warmspec bench``: one input line of a prompts file, and ``results.json``."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+from .types import Message
+
+__all__ = [
+    "WorkspaceFiles",
+    "BenchCase",
+    "Machine",
+    "CaseResult",
+    "ReplayResult",
+    "ModeSummary",
+    "PrefixCacheSummary",
+    "ReplaySummary",
+    "Summary",
+    "BenchResults",
+]
+
+
+# -- input: one JSON object a line ---------------------------------------------------------------
+
+
+class WorkspaceFiles(Struct, kw_only=True):
+    files: dict[str, str]  # path relative to the workspace root -> text
+
+
+class BenchCase(Struct, kw_only=True):
+    """A prompt (``messages``) or a conversation replayed turn by turn (``turns``, each the full
+    message list sent at that turn). ``reference`` is an output to replay drafting against;
+    ``workspace`` and ``read_files`` give the files a client reported reading."""
+
+    id: str
+    messages: list[Message] | None = None
+    turns: list[list[Message]] | None = None
+    max_tokens: int = 256
+    reference: str | None = None
+    workspace: WorkspaceFiles | None = None
+    read_files: list[str] = []
+
+
+# -- output: results.json -------------------------------------------------------------------------
+
+
+class Machine(Struct, kw_only=True):
+    cpu: str
+    cores: int
+    os: str
+    python: str
+    mlx: str
+    mlx_lm: str
+    device: str
+    blas: str
+    load_avg: float  # 1-minute load when the bench started: the machine may be shared
+
+
+class CaseResult(Struct, kw_only=True):
+    """One case (one turn of a conversation) in one mode; times are medians over repeats."""
+
+    file: str
+    id: str
+    mode: str
+    tokens: int
+    decode_s: float
+    prefill_s: float
+    passes: int
+    drafted: int
+    accepted: int
+    identical_to_plain: bool
+    turn: int = 0
+    ttft_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    gated_steps: int = 0
+    finish_reason: str = ""
+    copy_fraction: float = 0.0
+
+
+class ReplayResult(Struct, kw_only=True):
+    """Drafting and gate replayed against a known output, passes priced with a cost table."""
+
+    file: str
+    id: str
+    variant: str  # prompt_only | in_prompt | workspace
+    reference: str  # "case": the case's reference text; "plain": this run's plain output
+    tokens: int
+    passes: int
+    drafted: int
+    accepted: int
+    tokens_per_pass: float
+    projected_speedup: float
+    cost_s: float  # the passes priced from the cost table
+    plain_cost_s: float  # the same tokens one pass each
+    copy_fraction: float = 0.0
+
+
+class ModeSummary(Struct, kw_only=True):
+    cases: int
+    tokens: int
+    decode_s: float
+    tok_s: float
+    speedup_vs_plain: float
+    acceptance: float
+    tokens_per_pass: float
+    identical: str  # "n/m"
+
+
+class PrefixCacheSummary(Struct, kw_only=True):
+    turns_cold: int
+    turns_warm: int
+    ttft_cold_s: float
+    ttft_warm_s: float
+
+
+class ReplaySummary(Struct, kw_only=True):
+    cases: int
+    tokens: int
+    passes: int
+    tokens_per_pass: float
+    projected_speedup: float
+    acceptance: float
+
+
+class Summary(Struct, kw_only=True, omit_defaults=True):
+    plain: ModeSummary | None = None
+    ngram: ModeSummary | None = None
+    prefix_cache: PrefixCacheSummary | None = None
+    replay: dict[str, ReplaySummary] = {}
+
+
+class BenchResults(Struct, kw_only=True):
+    machine: Machine
+    model: str
+    inputs: list[str]
+    modes: list[str]
+    repeat: int
+    max_draft: int
+    costs: dict[int, dict[int, float]]  # verify costs measured here at start: {context: {P: s}}
+    replay_costs: str  # which table priced the replays: "measured" or a file
+    cases: list[CaseResult]
+    replays: list[ReplayResult]
+    summary: Summary
+    files: dict[str, Summary]  # the same summary per input file (edits and prose differ)

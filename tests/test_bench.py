@@ -1,0 +1,191 @@
+"""``warmspec bench`` end to end on tiny inputs, and the replay model against the real engine.
+
+No timing is asserted: the bench's speed figures are ratios measured side by side, and a test on
+a shared machine can only check that they are produced, consistent and exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import msgspec
+import numpy as np
+
+from warmspec import bench
+from warmspec.engine import MAX_DRAFT, Engine
+from warmspec.gate import CostTable
+from warmspec_protocol.bench import BenchResults
+
+from conftest import chat_prompt
+
+# Verify-pass seconds measured on the 2-core development box (OpenBLAS, default model): wide
+# passes cost 1.2-2.7x a step at 64 tokens of context and up to 3.7x at 1024, so the gate has
+# real choices to make (it refuses short matches and cuts long drafts).
+CPU_COSTS = {64: {1: 0.110, 2: 0.128, 4: 0.168, 8: 0.188, 16: 0.208, 24: 0.256, 33: 0.294},
+             1024: {1: 0.133, 2: 0.159, 4: 0.211, 8: 0.261, 16: 0.317, 24: 0.422, 33: 0.494}}
+
+SRC = '''import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Per-user model cache."""
+    if env := os.environ.get("WARMSPEC_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "warmspec"
+
+
+def default_model_path() -> Path:
+    return cache_dir() / "models" / "model.gguf"
+'''
+
+OTHER = '''import json
+from pathlib import Path
+
+
+def read_config(path: Path) -> dict:
+    """The user's settings, or none."""
+    return json.loads(path.read_text()) if path.exists() else {}
+'''
+
+ASK = ("Change request:\nRename cache_dir to user_cache_dir.\n\nOutput the complete updated file in "
+       "one fenced code block (```python ... ```) and nothing else: no explanation before or after "
+       "it, and do not omit or abbreviate any unchanged parts.")
+EDIT = f"You are editing the file `paths.py`.\n\nHere is the current content of the file:\n\n```python\n{SRC}```\n\n{ASK}"
+REFERENCE = "```python\n" + SRC.replace("cache_dir", "user_cache_dir") + "```"
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def write_jsonl(path, cases) -> None:
+    path.write_text("".join(json.dumps(c) + "\n" for c in cases))
+
+
+def test_bench_end_to_end(default_lm, tmp_path):
+    copy = tmp_path / "copy.jsonl"
+    write_jsonl(copy, [
+        {"id": "edit", "messages": user(EDIT), "max_tokens": 24, "reference": REFERENCE},
+        {"id": "ws", "messages": user("You are editing the file `pkg/paths.py`, which you read "
+                                      "earlier.\n\n" + ASK), "max_tokens": 24,
+         "workspace": {"files": {"pkg/paths.py": SRC, "pkg/config.py": OTHER}},
+         "read_files": ["pkg/paths.py"], "reference": REFERENCE},
+    ])
+    chat = tmp_path / "chat.jsonl"
+    write_jsonl(chat, [
+        {"id": "prose", "messages": user("Describe a lighthouse at night."), "max_tokens": 16},
+        {"id": "conv", "max_tokens": 8, "turns": [
+            user(f"Read this file:\n```python\n{SRC}```\nWhat does it do?"),
+            [*user(f"Read this file:\n```python\n{SRC}```\nWhat does it do?"),
+             {"role": "assistant", "content": "It finds the model cache."},
+             {"role": "user", "content": "Which environment variable wins?"}]]},
+    ])
+    out = tmp_path / "out"
+    res = bench.bench(default_lm, [copy, chat], out, costs=CostTable(CPU_COSTS), replay_outputs=True)
+
+    on_disk = msgspec.json.decode((out / "results.json").read_bytes(), type=BenchResults)
+    assert on_disk == res
+    assert res.model == default_lm.name and res.machine.cores >= 1 and res.machine.blas
+    # 3 single-turn cases and one of 2 turns, in 2 modes, alternating per case
+    assert len(res.cases) == (3 + 2) * 2
+    assert [r.mode for r in res.cases[:4]] == ["plain", "ngram", "plain", "ngram"]
+    assert all(r.identical_to_plain for r in res.cases)
+    assert res.summary.ngram.identical == "5/5" and res.summary.plain.identical == "5/5"
+    assert set(res.files) == {"copy.jsonl", "chat.jsonl"}
+    assert res.files["copy.jsonl"].ngram.cases == 2 and res.files["chat.jsonl"].ngram.cases == 3
+    for r in res.cases:
+        assert r.tokens > 0 and r.passes > 0 and r.decode_s > 0 and r.ttft_s > 0
+        assert r.accepted <= r.drafted and 0.0 <= r.copy_fraction <= 1.0
+
+    conv = [r for r in res.cases if r.id == "conv"]
+    assert [r.turn for r in conv] == [0, 1, 0, 1]
+    assert all(r.cached_tokens > 100 for r in conv if r.turn == 1)  # turn 2 found turn 1 cached
+    prefix = res.files["chat.jsonl"].prefix_cache
+    assert prefix.turns_cold == 2 and prefix.turns_warm == 2 and prefix.ttft_warm_s > 0
+
+    # replays: both references copy the file in the prompt (or the workspace); prose replays
+    # plain's own output, which copies nothing
+    variants = {(r.id, r.variant): r for r in res.replays}
+    assert set(variants) == {("edit", "prompt_only"), ("ws", "prompt_only"), ("ws", "in_prompt"),
+                             ("ws", "workspace"), ("prose", "prompt_only")}
+    ref_tokens = len(default_lm.tokenizer.encode(REFERENCE))
+    prose_tokens = next(r.tokens for r in res.cases if r.id == "prose")
+    for r in res.replays:
+        assert r.tokens_per_pass >= 1.0
+        assert r.tokens == (ref_tokens if r.reference == "case" else prose_tokens)
+    assert variants["prose", "prompt_only"].reference == "plain"
+    assert variants["edit", "prompt_only"].tokens_per_pass > 4
+    assert variants["ws", "in_prompt"].tokens_per_pass > 4
+    assert variants["ws", "workspace"].tokens_per_pass > 4
+    assert variants["ws", "prompt_only"].tokens_per_pass < 2  # the file is nowhere to copy from
+    assert set(res.files["copy.jsonl"].replay) == {"prompt_only", "in_prompt", "workspace"}
+    assert res.summary.replay["workspace"].projected_speedup > 1.5
+
+    text = (out / "report.md").read_text()
+    assert "copy.jsonl" in text and "chat.jsonl" in text and "## Cases" in text
+    assert "| copy.jsonl | ws | 0 | ngram |" in text
+    png = (out / "speedup.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_replay_of_copied_text_drafts_long(default_lm):
+    """A reference that is the prompt's file is drafted many tokens a pass; text that occurs
+    nowhere is decoded one token a pass and projects no speedup."""
+    prompt = chat_prompt(default_lm, EDIT)
+    engine = bench.replay_engine(default_lm, CostTable(CPU_COSTS), MAX_DRAFT)
+    copied = default_lm.tokenizer.encode("```python\n" + SRC + "```")
+    r = bench.replay(engine, prompt, copied)
+    assert r.tokens == copied
+    assert r.stats.tokens_per_pass > 5 and r.projected_speedup > 2
+    assert len(engine.model.script.decode_passes()) == r.stats.passes
+
+    fresh = default_lm.tokenizer.encode("Quietly, seven purple owls negotiated a treaty over tea.")
+    r = bench.replay(engine, prompt, fresh)
+    assert r.tokens == fresh
+    assert r.stats.tokens_per_pass <= 1.1 and 0.9 < r.projected_speedup < 1.1
+
+
+def test_replay_reproduces_real_ngram_run(default_lm):
+    """Replaying plain's greedy output through the replay model takes the same passes, drafts
+    and acceptances as the real ngram run with the same frozen cost table: one verify loop."""
+    prompt = chat_prompt(default_lm, EDIT)
+    n = 160
+    plain = bench.decode(Engine(default_lm, speculate=False), prompt, n)
+    real = bench.decode(Engine(default_lm, costs=CostTable(CPU_COSTS), observe_costs=False), prompt, n)
+    assert real.tokens == plain.tokens
+    assert real.stats.accepted > 40 and real.stats.accepted < real.stats.drafted  # both outcomes
+
+    engine = bench.replay_engine(default_lm, CostTable(CPU_COSTS), MAX_DRAFT)
+    r = bench.replay(engine, prompt, plain.tokens, max_tokens=n)
+    assert r.tokens == plain.tokens
+    fields = ("completion_tokens", "passes", "drafted", "accepted", "gated_steps")
+    assert [getattr(r.stats, f) for f in fields] == [getattr(real.stats, f) for f in fields]
+
+
+def test_copy_fraction():
+    src = list(range(100))
+    assert bench.copy_fraction(src[10:40], src) == 1.0
+    assert bench.copy_fraction(list(range(200, 230)), src) == 0.0
+    assert bench.copy_fraction(src[10:30] + list(range(200, 220)), src) == 0.5
+    assert bench.copy_fraction(src[10:15], src) == 0.0  # shorter than a span: no evidence
+    rng = np.random.default_rng(0)
+    assert bench.copy_fraction(rng.integers(0, 50, 300).tolist(), rng.integers(0, 50, 300).tolist()) == 0.0
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser(prog="warmspec")
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_command_line(tmp_path):
+    args = parse("bench", "a.jsonl", "b.jsonl", "--out", str(tmp_path), "--limit", "3", "--replay")
+    assert args.func is bench.run
+    assert [p.name for p in args.prompts] == ["a.jsonl", "b.jsonl"]
+    assert args.modes == "plain,ngram" and args.repeat == 1 and args.limit == 3 and args.replay
+    # bad input is refused before the model is loaded
+    assert bench.run(parse("bench", "a.jsonl", "--out", str(tmp_path), "--modes", "turbo")) == 2
+    assert bench.run(parse("bench", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))) == 2
