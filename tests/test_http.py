@@ -23,7 +23,7 @@ import msgspec
 import openai
 import pytest
 
-from warmspec.engine import Delta, Engine, Finished
+from warmspec.engine import Delta, Engine, EngineError, Finished
 from warmspec.gate import CostTable
 from warmspec.model import LoadedModel
 from warmspec.server.app import App, Limits
@@ -182,6 +182,7 @@ def test_chat_content_parts_system_and_length(server):
     r = client.chat.completions.create(model="m", messages=plain, max_tokens=9, max_completion_tokens=2,
                                        temperature=0.7, top_p=0.9, seed=3, extra_body={"top_k": 20, "min_p": 0.05})
     assert r.usage.completion_tokens == 2
+    assert r.usage.prompt_tokens_details.cached_tokens > 0  # nothing reloaded: the prefix cache is warm
 
 
 def test_stop_strings_map_to_each_api(server):
@@ -492,6 +493,7 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.totals = GenerationStats()
         self.reply = CALL_REPLY
+        self.fail: Exception | None = None  # raised after the first piece
         self.prompts: list[list[int]] = []
 
     def reset(self) -> None:
@@ -502,6 +504,8 @@ class ScriptedEngine:
         pieces = [self.reply[i:i + 5] for i in range(0, len(self.reply), 5)]
         for piece in pieces:
             yield Delta(piece, [])
+            if self.fail is not None:
+                raise self.fail
         yield Finished("stop", self.reply, [], GenerationStats(prompt_tokens=len(prompt),
                                                                completion_tokens=len(pieces), passes=len(pieces)))
 
@@ -595,3 +599,29 @@ def test_tool_calls_in_every_api(tool_server):
     engine.reply = "<tool_call>not json</tool_call>"
     r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER])
     assert r.choices[0].message.content == engine.reply and r.choices[0].finish_reason == "stop"
+
+
+def test_failures_after_the_stream_opened_reach_the_client(tool_server):
+    """A job that fails mid-way: a daemon fault is a 500 (or an error event in the stream's
+    format, which each SDK raises), a client error a 400, and the server carries on."""
+    engine = tool_server.app.engine
+    messages = [{"role": "user", "content": "x"}]
+    engine.fail = RuntimeError("the model fell over")
+    try:
+        with pytest.raises(openai.InternalServerError, match="RuntimeError: the model fell over"):
+            tool_server.openai().chat.completions.create(model="m", messages=messages)
+        with pytest.raises(openai.APIError, match="the model fell over"):
+            list(tool_server.openai().chat.completions.create(model="m", messages=messages, stream=True))
+        with pytest.raises(anthropic.APIStatusError, match="api_error"):
+            with tool_server.anthropic().messages.stream(model="m", max_tokens=5, messages=messages) as s:
+                s.get_final_message()
+        with tool_server.openai().responses.stream(model="m", input="x") as s:
+            kinds = [ev.type for ev in s]
+        assert kinds[-1] == "response.failed"
+        engine.fail = EngineError("prompt too long for this engine")
+        status, _, reply = tool_server.post("/v1/completions", {"prompt": "x", "max_tokens": 3}, key=None)
+        assert status == 400 and json.loads(reply)["error"]["message"] == "prompt too long for this engine"
+    finally:
+        engine.fail = None
+    engine.reply = "fine"
+    assert tool_server.openai().chat.completions.create(model="m", messages=messages).choices[0].message.content == "fine"
