@@ -338,6 +338,22 @@ def test_eight_clients_at_once_match_alone_and_a_disconnect_disturbs_none(server
     assert server.app.engine.totals.completion_tokens - before_tokens < len(clients) * n + 100
 
 
+def test_a_client_that_leaves_a_whole_reply_cancels_its_job(server):
+    before_tokens = server.app.engine.totals.completion_tokens
+    before_gone = server.ctx.disconnects
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400}).encode(),
+        {"Content-Type": "application/json", "x-api-key": KEY})
+    while server.app.scheduler.active is None:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a few tokens into the story
+    conn.sock.close()
+    server.wait_idle()
+    assert server.ctx.disconnects == before_gone + 1
+    assert server.app.engine.totals.completion_tokens - before_tokens < 100
+
+
 def test_keepalive_comments_while_waiting_for_the_first_token(server):
     busy = threading.Thread(target=chat, args=(server, "Write a poem."), kwargs=dict(max_tokens=12))
     busy.start()
