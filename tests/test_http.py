@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import anthropic
-import msgspec
 import openai
 import pytest
 
