@@ -11,6 +11,7 @@ import json
 
 import msgspec
 import numpy as np
+import pytest
 
 from warmspec import bench
 from warmspec.engine import MAX_DRAFT, Engine
@@ -53,6 +54,9 @@ def read_config(path: Path) -> dict:
 ASK = ("Change request:\nRename cache_dir to user_cache_dir.\n\nOutput the complete updated file in "
        "one fenced code block (```python ... ```) and nothing else: no explanation before or after "
        "it, and do not omit or abbreviate any unchanged parts.")
+# The default model answers this with the sentence, then end-of-sequence right after drafts that
+# were accepted: the pass's drafted tokens must not be lost with the end-of-sequence token.
+ECHO = "Say exactly this and nothing else: Hello world, this is a test."
 EDIT = f"You are editing the file `paths.py`.\n\nHere is the current content of the file:\n\n```python\n{SRC}```\n\n{ASK}"
 REFERENCE = "```python\n" + SRC.replace("cache_dir", "user_cache_dir") + "```"
 
@@ -77,6 +81,7 @@ def test_bench_end_to_end(default_lm, tmp_path):
     chat = tmp_path / "chat.jsonl"
     write_jsonl(chat, [
         {"id": "prose", "messages": user("Describe a lighthouse at night."), "max_tokens": 16},
+        {"id": "echo", "messages": user(ECHO), "max_tokens": 16},
         {"id": "conv", "max_tokens": 8, "turns": [
             user(f"Read this file:\n```python\n{SRC}```\nWhat does it do?"),
             [*user(f"Read this file:\n```python\n{SRC}```\nWhat does it do?"),
@@ -89,13 +94,16 @@ def test_bench_end_to_end(default_lm, tmp_path):
     on_disk = msgspec.json.decode((out / "results.json").read_bytes(), type=BenchResults)
     assert on_disk == res
     assert res.model == default_lm.name and res.machine.cores >= 1 and res.machine.blas
-    # 3 single-turn cases and one of 2 turns, in 2 modes, alternating per case
-    assert len(res.cases) == (3 + 2) * 2
+    # 4 single-turn cases and one of 2 turns, in 2 modes, alternating per case
+    assert len(res.cases) == (4 + 2) * 2
     assert [r.mode for r in res.cases[:4]] == ["plain", "ngram", "plain", "ngram"]
+    echo = [r for r in res.cases if r.id == "echo"]
+    assert echo[0].finish_reason == "stop" and echo[1].tokens == echo[0].tokens, \
+        "ngram lost the tokens drafted just before end-of-sequence"
     assert all(r.identical_to_plain for r in res.cases)
-    assert res.summary.ngram.identical == "5/5" and res.summary.plain.identical == "5/5"
+    assert res.summary.ngram.identical == "6/6" and res.summary.plain.identical == "6/6"
     assert set(res.files) == {"copy.jsonl", "chat.jsonl"}
-    assert res.files["copy.jsonl"].ngram.cases == 2 and res.files["chat.jsonl"].ngram.cases == 3
+    assert res.files["copy.jsonl"].ngram.cases == 2 and res.files["chat.jsonl"].ngram.cases == 4
     for r in res.cases:
         assert r.tokens > 0 and r.passes > 0 and r.decode_s > 0 and r.ttft_s > 0
         assert r.accepted <= r.drafted and 0.0 <= r.copy_fraction <= 1.0
@@ -110,12 +118,12 @@ def test_bench_end_to_end(default_lm, tmp_path):
     # plain's own output, which copies nothing
     variants = {(r.id, r.variant): r for r in res.replays}
     assert set(variants) == {("edit", "prompt_only"), ("ws", "prompt_only"), ("ws", "in_prompt"),
-                             ("ws", "workspace"), ("prose", "prompt_only")}
+                             ("ws", "workspace"), ("prose", "prompt_only"), ("echo", "prompt_only")}
     ref_tokens = len(default_lm.tokenizer.encode(REFERENCE))
-    prose_tokens = next(r.tokens for r in res.cases if r.id == "prose")
+    plain = {r.id: r.tokens for r in res.cases if r.mode == "plain"}
     for r in res.replays:
         assert r.tokens_per_pass >= 1.0
-        assert r.tokens == (ref_tokens if r.reference == "case" else prose_tokens)
+        assert r.tokens == (ref_tokens if r.reference == "case" else plain[r.id])
     assert variants["prose", "prompt_only"].reference == "plain"
     assert variants["edit", "prompt_only"].tokens_per_pass > 4
     assert variants["ws", "in_prompt"].tokens_per_pass > 4
@@ -148,15 +156,18 @@ def test_replay_of_copied_text_drafts_long(default_lm):
     assert r.stats.tokens_per_pass <= 1.1 and 0.9 < r.projected_speedup < 1.1
 
 
-def test_replay_reproduces_real_ngram_run(default_lm):
+@pytest.mark.parametrize("question, n, finish, rejects", [(EDIT, 160, "length", True),
+                                                           (ECHO, 40, "stop", False)])
+def test_replay_reproduces_real_ngram_run(default_lm, question, n, finish, rejects):
     """Replaying plain's greedy output through the replay model takes the same passes, drafts
-    and acceptances as the real ngram run with the same frozen cost table: one verify loop."""
-    prompt = chat_prompt(default_lm, EDIT)
-    n = 160
+    and acceptances as the real ngram run with the same frozen cost table: one verify loop.
+    The copy runs into the budget and has drafts rejected; the echo ends in end-of-sequence."""
+    prompt = chat_prompt(default_lm, question)
     plain = bench.decode(Engine(default_lm, speculate=False), prompt, n)
     real = bench.decode(Engine(default_lm, costs=CostTable(CPU_COSTS), observe_costs=False), prompt, n)
+    assert plain.finish_reason == finish
     assert real.tokens == plain.tokens
-    assert real.stats.accepted > 40 and real.stats.accepted < real.stats.drafted  # both outcomes
+    assert real.stats.accepted > 0 and (real.stats.accepted < real.stats.drafted) == rejects
 
     engine = bench.replay_engine(default_lm, CostTable(CPU_COSTS), MAX_DRAFT)
     r = bench.replay(engine, prompt, plain.tokens, max_tokens=n)

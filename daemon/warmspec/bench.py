@@ -315,7 +315,10 @@ def replay(engine: Engine, prompt: list[int], reference: Sequence[int], *,
     from .engine import Run
 
     eos = engine.tokenizer.eos_ids
-    end = min(eos) if eos else 0
+    # End with the token that closes the turns of the prompt's chat template (SmolLM2:
+    # <|im_end|>, not <|endoftext|>): the model ends its answer with it, and the drafter may
+    # propose it from the prompt, so the choice decides whether that draft is accepted.
+    end = next((t for t in reversed(prompt) if t in eos), min(eos, default=0))
     if max_tokens is None:
         max_tokens = len(reference) + (1 if eos else 0)
     engine.model.script = script = Script(prompt, reference, end)
