@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from warmspec.drafting import NgramDrafter, Proposal
+from warmspec.drafting import Proposal
 from warmspec.engine import Engine, Finished, Run
 from warmspec.gate import CostTable
 from warmspec_protocol import GenerationStats, SamplingParams

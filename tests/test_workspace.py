@@ -3,7 +3,6 @@ symlink escapes, memory budget, and drafting from a read file."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_map
 from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 

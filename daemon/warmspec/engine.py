@@ -60,6 +60,7 @@ class Finished(msgspec.Struct):
     text: str
     tokens: list[int]
     stats: GenerationStats
+    stop: str | None = None  # the stop string that ended the text, if one did
 
 
 class Run:
@@ -211,7 +212,7 @@ class Engine:
             yield Delta(tail, [])
         self._add_totals(stats)
         log.info("request: %s, finish %s", stats.summary(), run.finish_reason)
-        yield Finished(run.finish_reason, text.text, out, stats)
+        yield Finished(run.finish_reason, text.text, out, stats, text.matched)
 
     def _add_totals(self, s: GenerationStats) -> None:
         t = self.totals

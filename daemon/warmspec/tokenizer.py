@@ -110,7 +110,9 @@ class Tokenizer:
         return len(self.token_bytes)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): 1 MB of text takes ~0.7 s here, which
+        # would otherwise stall the daemon's event loop.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
@@ -265,6 +267,7 @@ class TextStream:
         self._pending = ""
         self.text = ""  # everything emitted so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, token: int) -> str:
         """Add one token; return the text now safe to emit ('' if none)."""
@@ -284,9 +287,10 @@ class TextStream:
         if self._stop:
             # Emitted text never ends in a proper prefix of a stop string (that part is held
             # back), so a match can only start inside the pending text.
-            hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self._pending.find(s), s) for s in self._stop) if i >= 0]
             if hits:
-                out = self._pending[: min(hits)]
+                i, self.matched = min(hits)
+                out = self._pending[:i]
                 self.text += out
                 self._pending = ""
                 self.stopped = True

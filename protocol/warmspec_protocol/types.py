@@ -33,7 +33,7 @@ class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=0)] = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -38,7 +38,7 @@ from warmspec_protocol.openai import SpeculationStats
 from ..engine import Delta, EngineError, Finished
 from ..tokenizer import Tokenizer, TokenizerError
 from .app import App
-from .scheduler import Job, JobError, Ticket
+from .scheduler import Busy, Job, JobError, Ticket
 
 log = logging.getLogger("warmspec.http")
 
@@ -174,16 +174,6 @@ class Outcome(msgspec.Struct, kw_only=True):
     stats: GenerationStats
 
 
-def _stop_sequence(tokenizer: Tokenizer, ev: Finished, stops: list[str]) -> str | None:
-    """Which stop string ended the generation. The engine says "stop" for end-of-sequence and for
-    stop strings alike; Anthropic tells them apart. The tokens still hold the stop string (the text
-    does not), so their decoding continues past the text with the string that matched."""
-    if ev.finish_reason != "stop" or not stops:
-        return None
-    rest = tokenizer.decode(ev.tokens)[len(ev.text):]
-    return next((s for s in stops if rest.startswith(s)), None)
-
-
 def _gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -223,11 +213,9 @@ async def _generate(request: web.Request, ctx: Context, ticket: Ticket,
             if tail:
                 parts.append(tail)
                 yield tail
-            job = ticket.job
             yield Outcome(text="".join(parts), tool_calls=calls,
                           finish="tool_calls" if calls else ev.finish_reason,
-                          stop_sequence=_stop_sequence(ctx.app.lm.tokenizer, ev, job.stop),
-                          stats=ev.stats)
+                          stop_sequence=ev.stop, stats=ev.stats)
             return
         else:
             assert isinstance(ev, JobError)  # a daemon fault's traceback is in the scheduler's log
@@ -957,6 +945,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         resp = await handler(request)
     except ApiError as e:
         resp = _error_response(request, e)
+    except Busy as e:
+        resp = _error_response(request, ApiError(503, str(e)))
     except (EngineError, TokenizerError) as e:
         resp = _error_response(request, ApiError(400, str(e)))
     except web.HTTPException as e:  # aiohttp's own: no such route, wrong method

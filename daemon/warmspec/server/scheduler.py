@@ -44,6 +44,10 @@ class Job(msgspec.Struct, kw_only=True):
     label: str = ""  # for logs: transport and request id
 
 
+class Busy(EngineError):
+    """The daemon cannot take the job now (queue full, shutting down): retry later."""
+
+
 class JobError(msgspec.Struct):
     """The job failed; ``client_error`` separates bad requests from daemon faults."""
 
@@ -125,13 +129,13 @@ class Scheduler:
         return len(self._heap)
 
     def submit(self, job: Job) -> Ticket:
-        """Queue ``job``; raises ``EngineError`` when the queue is full."""
+        """Queue ``job``; raises ``Busy`` when the queue is full or the daemon is stopping."""
         ticket = Ticket(job, asyncio.get_running_loop())
         with self._cv:
             if self._stopping:
-                raise EngineError("the daemon is shutting down")
+                raise Busy("the daemon is shutting down")
             if len(self._heap) >= self.max_queue:
-                raise EngineError(f"queue full ({self.max_queue} requests waiting)")
+                raise Busy(f"queue full ({self.max_queue} requests waiting)")
             heapq.heappush(self._heap, (job.priority, next(self._seq), ticket))
             self._cv.notify()
         return ticket
