@@ -42,8 +42,16 @@ class WorkspaceError(ValueError):
     """A path the daemon refuses: outside the roots, ignored, binary or too large."""
 
 
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
 class _Entry:
     def __init__(self, path: Path, index: NgramIndex, conversations: set[str], is_open: bool):
+        self.mtime = _mtime(path)
         self.path = path
         self.index = index
         self.conversations = conversations
@@ -140,6 +148,15 @@ class Workspace:
         """Record that a client read a file (its text given, or read from disk) and index it."""
         path = self.resolve(path_or_uri)
         if text is None:
+            with self._lock:
+                entry = self._entries.get(path)
+                if entry is not None and entry.mtime == _mtime(path):
+                    # unchanged since indexed (agents resend every tool call each turn)
+                    self._entries.move_to_end(path)
+                    entry.last_read = time.monotonic()
+                    if conversation:
+                        entry.conversations.add(conversation)
+                    return path
             text = self._read_disk(path)
         self._index(path, text, conversation=conversation)
         return path
@@ -193,6 +210,7 @@ class Workspace:
                 _update_index(entry.index, tokens)
             entry.is_open = entry.is_open or is_open
             entry.last_read = time.monotonic()
+            entry.mtime = _mtime(path)
             if conversation:
                 entry.conversations.add(conversation)
             self._entries[path] = entry  # most recently read last
@@ -254,6 +272,7 @@ class Workspace:
             entry = self._entries.get(real)
             if entry is not None and entry.index.tokens != tokens:
                 _update_index(entry.index, tokens)
+                entry.mtime = _mtime(real)
                 self.reindexed += 1
 
     # -- drafting -----------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ workspace, limits, and the translation of client requests into engine jobs."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,8 +16,12 @@ from warmspec_protocol import ModelInfo, SamplingParams, Status
 from .. import blas
 from ..engine import Engine, EngineError
 from ..model import LoadedModel
-from ..workspace import Workspace
+from ..workspace import Workspace, WorkspaceError
 from .scheduler import PRIORITY_NORMAL, Job, Scheduler
+
+
+# Argument names under which coding agents' file tools pass the file they read or write.
+PATH_KEYS = ("path", "file_path", "filepath", "filename", "file", "target_file", "notebook_path")
 
 
 class Limits(msgspec.Struct, kw_only=True):
@@ -53,6 +59,39 @@ class App:
             raise EngineError("messages must not be empty")
         tok = self.lm.tokenizer
         return tok.encode(tok.apply_chat_template(list(messages), tools=tools))
+
+    @staticmethod
+    def conversation_of(messages: Sequence[dict[str, Any]]) -> str:
+        """A stable id for a chat: agents resend the whole conversation every turn, and its
+        opening (the system prompt and first user message) stays the same while it grows."""
+        head = [[m.get("role"), m.get("content")] for m in messages[:2]]
+        return hashlib.sha256(json.dumps(head).encode()).hexdigest()[:16]
+
+    def note_tool_reads(self, messages: Sequence[dict[str, Any]], conversation: str) -> int:
+        """Index the workspace files that the chat's tool calls name (``path``, ``file_path``, ...):
+        an agent reads a file through a tool and then writes its new version, copying most of it.
+        The file is read from disk, not from the tool result, which may be numbered or cut."""
+        if self.workspace is None:
+            return 0
+        seen = 0
+        for m in messages:
+            for call in m.get("tool_calls") or []:
+                args = (call.get("function") or {}).get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        continue
+                if not isinstance(args, dict):
+                    continue
+                for key in PATH_KEYS:
+                    if isinstance(args.get(key), str):
+                        try:
+                            self.workspace.did_read(args[key], conversation=conversation)
+                            seen += 1
+                        except WorkspaceError:
+                            pass  # not a readable workspace file: nothing to index
+        return seen
 
     def text_prompt(self, prompt: str) -> list[int]:
         if not prompt:
