@@ -151,7 +151,7 @@ def sampling_from_args(args: argparse.Namespace, defaults):
 def cmd_ask(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # one summary line, even when not a terminal
     for f in args.file:
         if not f.is_file():
             err.print(f"[red]warmspec: no such file: {f}[/red]")

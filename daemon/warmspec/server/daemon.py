@@ -222,7 +222,7 @@ async def _serve(app, paths: RuntimePaths, args: argparse.Namespace) -> int:
             except ImportError as e:
                 raise DaemonError(f"the HTTP transport is not available: {e}") from None
             runner = await start_http(app, args.host, args.port)
-            where.append(f"HTTP on http://{args.host}:{args.port}")
+            where.append(f"HTTP on http://{args.host}:{runner.addresses[0][1]}")
     except OSError as e:
         raise DaemonError(f"cannot listen: {e}") from None
     log.info("ready: %s%s", ", ".join(where), " (api key required)" if app.api_key else "")

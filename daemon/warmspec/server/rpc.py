@@ -381,7 +381,9 @@ class Connection(LanguageServer):
 
     async def run_job(self, job: Job, on_delta: Callable[[Delta], None] | None = None) -> Finished:
         """Submit ``job`` and wait for it. If this task is cancelled (``$/cancelRequest``, a newer
-        inline completion, the client hanging up) the job stops within one decode step."""
+        inline completion, the client hanging up) the job stops within one decode step, and the
+        cancellation is answered once it has: a client that then asks again, or asks for the
+        status, finds the engine idle."""
         try:
             ticket = self.app.scheduler.submit(job)
         except EngineError as e:
@@ -400,7 +402,11 @@ class Connection(LanguageServer):
             raise AssertionError("a ticket ended without Finished or JobError")
         finally:
             self.tickets.discard(ticket)
-            ticket.cancel()  # no-op once finished
+            if not ticket.done:
+                ticket.cancel()
+                if self.app.scheduler.active is ticket:  # a queued job just never runs
+                    async for _ in ticket:
+                        pass
 
     # -- inline completion ----------------------------------------------------------------------------
 
