@@ -628,16 +628,18 @@ def plot(res: BenchResults, path: Path) -> None:
                              squeeze=False)
     ax = axes[0][0]
     plain = {_key(r): r for r in res.cases if r.mode == "plain"}
+    measured = False
     for f in res.inputs:
         pts = [(r.copy_fraction, case_speedup(r, plain[_key(r)])) for r in res.cases
                if r.file == f and r.mode != "plain" and _key(r) in plain]
         if pts:
             ax.scatter(*zip(*pts), color=colour[f], label=f"{f} ({len(pts)})", alpha=0.8)
+            measured = True
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set(xlabel=f"copy fraction (share of plain output in {COPY_SPAN}-token spans of the prompt"
                   " or files read)", ylabel="measured decode speedup, ngram vs plain (x)",
            title="measured on this machine", xlim=(-0.03, 1.03))
-    if ax.has_data():
+    if measured:
         ax.legend(loc="upper left", fontsize=8)
     else:
         ax.text(0.5, 0.5, "no ngram and plain runs", ha="center", transform=ax.transAxes)
