@@ -84,11 +84,11 @@ class Client:
     def start(self, method: str, params: msgspec.Struct | dict | None) -> int:
         """Send a request; returns its id (for ``wait`` and ``cancel``)."""
         msg_id = next(self._ids)
-        self.send(wire.Request(id=msg_id, method=method, params=params))
+        self.send(wire.Request(id=msg_id, method=method, params=msgspec.UNSET if params is None else params))
         return msg_id
 
     def notify(self, method: str, params: msgspec.Struct | dict | None) -> None:
-        self.send(wire.Notification(method=method, params=params))
+        self.send(wire.Notification(method=method, params=msgspec.UNSET if params is None else params))
 
     def cancel(self, msg_id: int) -> None:
         self.notify("$/cancelRequest", wire.CancelParams(id=msg_id))

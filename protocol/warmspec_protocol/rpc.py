@@ -67,13 +67,13 @@ class Request(Struct, kw_only=True):
     jsonrpc: Literal["2.0"] = "2.0"
     id: RequestId
     method: str
-    params: Any = None
+    params: Any = UNSET  # left out, not null, when there are none (JSON-RPC 2.0 §4.2)
 
 
 class Notification(Struct, kw_only=True):
     jsonrpc: Literal["2.0"] = "2.0"
     method: str
-    params: Any = None
+    params: Any = UNSET
 
 
 class ErrorResponse(Struct, kw_only=True):
@@ -106,7 +106,7 @@ class InitializationOptions(Struct, kw_only=True, forbid_unknown_fields=True, re
     inline_completion: InlineCompletionSettings | None = None
 
 
-class ClientInfo(Struct, kw_only=True):
+class ClientInfo(Struct, kw_only=True, omit_defaults=True):
     name: str
     version: str | None = None
 
@@ -144,7 +144,7 @@ class CancelParams(Struct, kw_only=True):
 # -- generation ------------------------------------------------------------------------------------
 
 
-class GenerateOptions(Struct, kw_only=True, forbid_unknown_fields=True):
+class GenerateOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """What ``warmspec/chat`` and ``warmspec/complete`` share. Sampling fields left out (or null)
     take the model's defaults; ``max_tokens`` defaults to the daemon's (1024) and may not exceed
     its limit (8192)."""
@@ -209,7 +209,7 @@ class ModelsResult(Struct, kw_only=True):
 # -- workspace -------------------------------------------------------------------------------------
 
 
-class DidReadParams(Struct, kw_only=True, forbid_unknown_fields=True):
+class DidReadParams(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """``warmspec/didRead``: an agent read this file; index it for drafting. ``path`` is absolute,
     relative to the single workspace root, or a ``file://`` URI; ``text`` is what the agent saw
     (read from disk when left out)."""

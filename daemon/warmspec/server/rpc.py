@@ -153,6 +153,15 @@ class WarmspecProtocol(LanguageServerProtocol):
             return
         super()._send_handler_result(future, msg_id=msg_id)
 
+    @lsp_method(lsp.INITIALIZE)
+    def lsp_initialize(self, params: lsp.InitializeParams) -> Any:
+        result = yield from super().lsp_initialize(params)
+        # pygls advertises its built-in workspace/executeCommand and workspace-folder handling;
+        # warmspec serves neither, and an editor should not be told otherwise.
+        result.capabilities.execute_command_provider = None
+        result.capabilities.workspace = None
+        return result
+
     @lsp_method(lsp.EXIT)
     def lsp_exit(self, *args: Any) -> None:
         self._server.close()
