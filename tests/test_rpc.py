@@ -20,7 +20,8 @@ from warmspec.client import Client, RpcError
 from warmspec.engine import Delta, Engine
 from warmspec.gate import CostTable
 from warmspec.server.app import App, Limits
-from warmspec.server.rpc import CompletionCache, RpcService, cursor_context
+from warmspec.server.inline import CompletionCache, cursor_context
+from warmspec.server.rpc import RpcService
 from warmspec.server.scheduler import Job
 from warmspec_protocol import rpc as wire
 from warmspec_protocol.rpc import ErrorCode
@@ -186,9 +187,9 @@ def test_document_sync_and_inline_completion(daemon):
         newer = await inline(client, text)
         with pytest.raises(JsonRpcException) as superseded:
             await older
-        hits = daemon.service.cache.hits
+        hits = daemon.service.ghost.cache.hits
         repeat = await inline(client, text)
-        assert daemon.service.cache.hits == hits + 1
+        assert daemon.service.ghost.cache.hits == hits + 1
 
         suggestion = newer.items[0].insert_text
         typed = text + suggestion[:1]
@@ -197,7 +198,7 @@ def test_document_sync_and_inline_completion(daemon):
             content_changes=[lsp.TextDocumentContentChangeWholeDocument(text=typed)]))
         await wait_for(lambda: ws.document_text(uri) == typed)
         rest = await inline(client, typed)
-        assert daemon.service.cache.hits == hits + 2
+        assert daemon.service.ghost.cache.hits == hits + 2
 
         client.text_document_did_close(lsp.DidCloseTextDocumentParams(
             text_document=lsp.TextDocumentIdentifier(uri=uri)))
@@ -217,22 +218,27 @@ def test_document_sync_and_inline_completion(daemon):
 
 
 def test_inline_ghost_text_is_the_greedy_continuation(daemon):
-    """What the editor gets is exactly what the model writes after the buffer (stop at the end of
-    the line when the cursor is mid-line)."""
-    prefix = "The capital of France is"
-    got = daemon.run(_inline_direct(daemon, prefix, " Paris.\n"))
+    """What the editor gets is exactly what the model writes after the buffer's text before the
+    cursor, ending at the line's end when the cursor is mid-line."""
+    uri = (daemon.root / "capitals.txt").as_uri()
+    before, after = "Paris is the capital of France.\nThe capital of Italy is", " not a secret.\n"
+
+    async def scenario():
+        client, _ = await lsp_client(daemon, inlineCompletion={"maxTokens": 6})
+        client.text_document_did_open(lsp.DidOpenTextDocumentParams(
+            text_document=lsp.TextDocumentItem(uri=uri, language_id="plaintext", version=1, text=before + after)))
+        got = await client.text_document_inline_completion_async(lsp.InlineCompletionParams(
+            text_document=lsp.TextDocumentIdentifier(uri=uri), position=lsp.Position(line=1, character=23),
+            context=lsp.InlineCompletionContext(trigger_kind=lsp.InlineCompletionTriggerKind.Invoked)))
+        await close(client)
+        return got
+
+    got = asyncio.run(scenario())
     app = daemon.app
-    job = app.job(app.text_prompt(prefix), app.sampling(temperature=0.0), max_tokens=6, stop=["\n"])
+    job = app.job(app.text_prompt(before), app.sampling(temperature=0.0), max_tokens=6, stop=["\n"])
     expected = daemon.run(_run_job(daemon, job))
-    assert got == expected and got
-
-
-async def _inline_direct(daemon, prefix, suffix):
-    from warmspec.server.rpc import Connection
-
-    conn = Connection(daemon.service, "direct", trusted=True)
-    conn.settings = wire.InlineCompletionSettings(max_tokens=6)
-    return await daemon.service.complete_inline(conn, prefix, suffix)
+    assert expected and "\n" not in expected
+    assert got.items[0].insert_text == expected
 
 
 async def _run_job(daemon, job: Job) -> str:

@@ -2,8 +2,8 @@
 
 pygls serves one connection per server object (its protocol holds a single writer), so each
 connection -- the editor on stdio, every socket or TCP client -- gets its own ``Connection`` (a
-pygls ``LanguageServer``), and all of them share one ``RpcService``: the App, the ghost-text cache
-and the document indexer.
+pygls ``LanguageServer``), and all of them share one ``RpcService``: the App, ghost text (with its
+cache, see inline.py) and the document indexer.
 
 pygls does dispatch, the LSP lifecycle and capabilities, the per-connection document store,
 request bookkeeping and ``$/cancelRequest``. This module does what pygls's reader loop leaves out
@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -47,81 +47,17 @@ from .. import __version__
 from ..engine import Delta, EngineError, Finished
 from ..workspace import WorkspaceError
 from .app import App
-from .scheduler import PRIORITY_INTERACTIVE, PRIORITY_NORMAL, Job, Ticket
+from .framing import HEADER_LIMIT, FrameError, frame, read_frame
+from .inline import GhostText, cursor_context
+from .scheduler import PRIORITY_NORMAL, Job, Ticket
 
 log = logging.getLogger("warmspec.rpc")
-
-HEADER_LIMIT = 64 << 10  # longest header line; beyond it the stream cannot be resynchronized
-CONTENT_TYPE = b"application/vscode-jsonrpc; charset=utf-8"
-
 
 class RpcError(JsonRpcException):
     """A request the daemon refuses; pygls answers it with ``code`` and ``message``."""
 
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(message=message, code=int(code))
-
-
-# -- framing ---------------------------------------------------------------------------------------
-
-
-class FrameError(Exception):
-    """A frame that cannot be read. ``fatal``: the stream cannot be resynchronized."""
-
-    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fatal = fatal
-
-
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
-    """The next message body, or None at the end of the stream.
-
-    Header names are case-insensitive and headers other than Content-Length are ignored (LSP's
-    Content-Type is always utf-8). A frame with a bad header still has its body consumed when its
-    length is known, so the next frame is read in step.
-    """
-    length: int | None = None
-    problem: str | None = None
-    seen = False
-    while True:
-        try:
-            line = await reader.readline()
-        except ValueError:  # over HEADER_LIMIT without a newline
-            raise FrameError(ErrorCode.PARSE_ERROR, "header line too long", fatal=True) from None
-        if not line:
-            return None
-        if not line.strip():
-            if seen:
-                break
-            continue  # blank lines between frames
-        seen = True
-        name, colon, value = line.partition(b":")
-        if not colon:
-            problem = problem or f"malformed header line {line[:60]!r}"
-        elif name.strip().lower() == b"content-length":
-            value = value.strip()
-            if value.isdigit() and len(value) <= 15:
-                length = int(value)
-            else:
-                problem = problem or f"invalid Content-Length {value[:30]!r}"
-    if length is None:
-        raise FrameError(ErrorCode.PARSE_ERROR, problem or "missing Content-Length header")
-    if length > max_bytes:
-        raise FrameError(ErrorCode.INVALID_REQUEST,
-                         f"message of {length} bytes is over the limit of {max_bytes}", fatal=True)
-    try:
-        body = await reader.readexactly(length)
-    except asyncio.IncompleteReadError:
-        return None
-    if problem:
-        raise FrameError(ErrorCode.PARSE_ERROR, problem)
-    return body
-
-
-def frame(body: bytes) -> bytes:
-    return b"Content-Length: %d\r\nContent-Type: %s\r\n\r\n%s" % (len(body), CONTENT_TYPE, body)
 
 
 # -- pygls, adapted --------------------------------------------------------------------------------
@@ -205,7 +141,7 @@ class Connection(LanguageServer):
         self.settings = wire.InlineCompletionSettings()
         self.tickets: set[Ticket] = set()
         self.inline: dict[str, asyncio.Task] = {}  # the running inline completion per document
-        self.superseded: set[asyncio.Task] = set()
+        self.superseded: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
         self._reader: asyncio.StreamReader | None = None
         for method, handler, options in _FEATURES:
             self.feature(method, options)(handler)
@@ -526,68 +462,31 @@ async def inline_completion(ls: Connection, params: lsp.InlineCompletionParams) 
     ls.supersede(uri)
     doc = ls.open_document(uri)
     offset = doc.offset_at_position(params.position)
+    ghost = ls.service.ghost
     prefix, suffix = cursor_context(doc.source, offset, ls.settings.prefix_chars, ls.settings.suffix_chars)
-    text = ls.service.cache.lookup(prefix, suffix)
+    if not prefix.strip():
+        return lsp.InlineCompletionList(items=[])  # nothing to continue yet
+    text = ghost.cache.lookup(prefix, suffix)
     if text is None:
         try:
-            text = await ls.service.complete_inline(ls, prefix, suffix)
+            job = ghost.job(prefix, suffix, max_tokens=ls.settings.max_tokens,
+                            label=f"{ls.name} #{ls.protocol.msg_id} inline")
+        except EngineError as e:
+            raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
+        try:
+            text = (await ls.run_job(job)).text
         except asyncio.CancelledError:
             if asyncio.current_task() in ls.superseded:
                 ls.superseded.discard(asyncio.current_task())
                 raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request for "
                                "this document replaced this one") from None
             raise
-        ls.service.cache.store(prefix, suffix, text)
+        ghost.cache.store(prefix, suffix, text)
     if ls.inline.get(uri) is asyncio.current_task():
         del ls.inline[uri]
     here = lsp.Range(start=params.position, end=params.position)
     items = [lsp.InlineCompletionItem(insert_text=text, range=here)] if text else []
     return lsp.InlineCompletionList(items=items)
-
-
-def cursor_context(text: str, offset: int, prefix_chars: int, suffix_chars: int) -> tuple[str, str]:
-    """The text before and after the cursor within the budget, cut at line boundaries so the
-    model never starts mid-line."""
-    start = max(0, offset - prefix_chars)
-    if start > 0 and (nl := text.find("\n", start, offset)) != -1:
-        start = nl + 1
-    end = min(len(text), offset + suffix_chars)
-    if end < len(text) and (nl := text.rfind("\n", offset, end)) != -1:
-        end = nl
-    return text[start:offset], text[offset:end]
-
-
-class CompletionCache:
-    """Recent ghost-text answers, keyed by the text around the cursor.
-
-    Typing the suggestion's own characters moves the cursor into it; the rest of the suggestion
-    is still the model's answer there (greedy), so it is served without running the model. Only a
-    tail of the prefix is kept and compared, since the budget window slides as the user types.
-    """
-
-    TAIL = 512
-
-    def __init__(self, size: int = 64):
-        self.size = size
-        self._entries: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self.hits = 0
-
-    def lookup(self, prefix: str, suffix: str) -> str | None:
-        head = suffix[: self.TAIL]
-        for (tail, entry_head), text in reversed(self._entries.items()):
-            if entry_head != head:
-                continue
-            for typed in range(len(text)) if text else (0,):
-                if prefix.endswith(text[:typed]) and prefix[: len(prefix) - typed].endswith(tail):
-                    self._entries.move_to_end((tail, entry_head))
-                    self.hits += 1
-                    return text[typed:]
-        return None
-
-    def store(self, prefix: str, suffix: str, text: str) -> None:
-        self._entries[(prefix[-self.TAIL:], suffix[: self.TAIL])] = text
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
 
 
 # -- the service ------------------------------------------------------------------------------------
@@ -599,7 +498,7 @@ class RpcService:
     def __init__(self, app: App, *, model_spec: str | None = None):
         self.app = app
         self.model_spec = model_spec
-        self.cache = CompletionCache()
+        self.ghost = GhostText(app)
         self.connections: set[Connection] = set()
         self._servers: list[asyncio.AbstractServer] = []
         self._ids = itertools.count(1)
@@ -608,7 +507,6 @@ class RpcService:
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="warmspec-index")
         self._pending: dict[str, str | None] = {}
         self._pending_lock = threading.Lock()
-        self._fim = _fim_markers(app)
 
     # -- listeners ------------------------------------------------------------------------------------
 
@@ -693,25 +591,6 @@ class RpcService:
         log.info("indexed %s (%d files in the workspace index)", path, len(ws.files))
         return wire.DidReadResult(path=str(path), workspace_files=len(ws.files))
 
-    # -- inline completion ------------------------------------------------------------------------------
-
-    async def complete_inline(self, conn: Connection, prefix: str, suffix: str) -> str:
-        app = self.app
-        if self._fim is not None:
-            pre, suf, mid = self._fim
-            prompt = app.text_prompt(f"{pre}{prefix}{suf}{suffix}{mid}")
-        else:
-            prompt = app.text_prompt(prefix)
-        # Mid-line, a suggestion finishes the line; at a line's end it may add a few lines.
-        stop = ["\n"] if suffix.split("\n", 1)[0].strip() else ["\n\n"]
-        try:
-            job = app.job(prompt, app.sampling(temperature=0.0), max_tokens=conn.settings.max_tokens,
-                          stop=stop, priority=PRIORITY_INTERACTIVE,
-                          label=f"{conn.name} #{conn.protocol.msg_id} inline")
-        except EngineError as e:
-            raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
-        return (await conn.run_job(job)).text
-
 
 def bind_unix_socket(path: Path) -> socket.socket:
     """A listening Unix socket only its owner can connect to: created 0600 (the umask is set
@@ -728,14 +607,3 @@ def bind_unix_socket(path: Path) -> socket.socket:
     os.chmod(path, 0o600)
     sock.listen(64)
     return sock
-
-
-def _fim_markers(app: App) -> tuple[str, str, str] | None:
-    """Fill-in-the-middle markers, when the tokenizer has them as single special tokens."""
-    tok = app.lm.tokenizer
-    for names in (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-                  ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")):
-        ids = [tok.encode(n) for n in names]
-        if all(len(i) == 1 and i[0] in tok.special_ids for i in ids):
-            return names
-    return None
