@@ -171,8 +171,17 @@ def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None
         engine.costs
     app = App(lm, engine, workspace_roots=roots, api_key=api_key)
     app.start()
+    if app.workspace is not None:
+        app.workspace.watch()  # files read earlier are re-indexed when they change on disk
+        log.info("workspace: %s", ", ".join(str(r) for r in app.workspace.roots))
     log.info("loaded %s in %.1f s", lm.name, time.perf_counter() - t)
     return app
+
+
+def stop_app(app) -> None:
+    app.stop()
+    if app.workspace is not None:
+        app.workspace.stop()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -196,7 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(app, paths, args))
     finally:
         if app is not None:
-            app.stop()
+            stop_app(app)
         paths.socket.unlink(missing_ok=True)
         lock.release()
 
@@ -248,7 +257,9 @@ def cmd_lsp(args: argparse.Namespace) -> int:
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    roots = [Path(w) for w in args.workspace] or [Path.cwd()]
+    # An editor spawns its language server in the project: default to it, but only when it is
+    # one (a git checkout), not a home directory that would be watched file by file.
+    roots = [Path(w) for w in args.workspace] or ([Path.cwd()] if (Path.cwd() / ".git").exists() else [])
     try:
         app = load_app(args, roots=roots, api_key=None)
     except ModelError as e:
@@ -257,7 +268,7 @@ def cmd_lsp(args: argparse.Namespace) -> int:
         return asyncio.run(RpcService(app, model_spec=model_key(args.model)).serve_stdio(sys.stdin.buffer,
                                                                                         protocol_out))
     finally:
-        app.stop()
+        stop_app(app)
 
 
 # -- stop ------------------------------------------------------------------------------------------------

@@ -84,7 +84,9 @@ class WarmspecProtocol(LanguageServerProtocol):
     def _send_handler_result(self, future: Future, *, msg_id: Any) -> None:
         if not future.cancelled() and isinstance(error := future.exception(), RpcError):
             self._request_futures.pop(msg_id, None)
-            log.info("%s #%s refused: %s", self._server.name, msg_id, error.message)
+            routine = error.code == ErrorCode.CONTENT_MODIFIED  # superseded ghost text: every keystroke
+            log.log(logging.DEBUG if routine else logging.INFO, "%s #%s refused: %s", self._server.name,
+                    msg_id, error.message)
             self._send_response(msg_id, error=error.to_response_error())
             return
         super()._send_handler_result(future, msg_id=msg_id)
@@ -438,10 +440,13 @@ def models(ls: Connection, params: wire.NoParams) -> wire.ModelsResult:
 
 @feature("warmspec/chat")
 async def chat(ls: Connection, params: wire.ChatParams) -> wire.GenerateResult:
+    messages = [msgspec.to_builtins(m) for m in params.messages]
     try:
-        prompt = ls.app.chat_prompt([msgspec.to_builtins(m) for m in params.messages])
+        prompt = ls.app.chat_prompt(messages)
     except EngineError as e:
         raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
+    if params.conversation is None:  # as over HTTP: agents resend the conversation, its opening stays
+        params = msgspec.structs.replace(params, conversation=ls.app.conversation_of(messages))
     return await ls.generate(prompt, params, "chat")
 
 
