@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     lsp = sub.add_parser("lsp", help="serve LSP/JSON-RPC on stdio, for an editor that spawns it")
     _model_args(lsp)
     lsp.add_argument("--workspace", action="append", default=[], metavar="DIR",
-                     help="a workspace root (repeatable; default: the current directory when it is a git checkout)")
+                     help="a workspace root (repeatable; default: the current directory, unless it is ~ or /)")
 
     stop = sub.add_parser("stop", help="stop the running daemon")
     _daemon_args(stop)

@@ -257,9 +257,10 @@ def cmd_lsp(args: argparse.Namespace) -> int:
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    # An editor spawns its language server in the project: default to it, but only when it is
-    # one (a git checkout), not a home directory that would be watched file by file.
-    roots = [Path(w) for w in args.workspace] or ([Path.cwd()] if (Path.cwd() / ".git").exists() else [])
+    # An editor spawns its language server in the project: default to it -- but not to a home
+    # directory or /, which the workspace watcher would walk directory by directory.
+    cwd = Path.cwd()
+    roots = [Path(w) for w in args.workspace] or ([cwd] if cwd not in (Path.home(), Path("/")) else [])
     try:
         app = load_app(args, roots=roots, api_key=None)
     except ModelError as e:
