@@ -192,7 +192,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if tcp and not is_loopback(args.host) and not api_key:
         raise DaemonError(f"refusing to listen on {args.host} without --api-key (or WARMSPEC_API_KEY): "
                           "anyone who can reach it could use the model and read workspace files")
+    for w in args.workspace:
+        if not Path(w).is_dir():
+            raise DaemonError(f"--workspace {w}: not a directory")
     paths = RuntimePaths.resolve(args.socket)
+    paths.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # `warmspec stop` during the model load: end through the finally below, not mid-air.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     lock = PidLock(paths.pid)
     if not lock.acquire():
         raise DaemonError(f"a daemon is already running (pid {running_pid(paths)}, socket {paths.socket})")
