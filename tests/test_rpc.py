@@ -179,8 +179,7 @@ def test_document_sync_and_inline_completion(daemon):
         client, _ = await lsp_client(daemon, inlineCompletion={"maxTokens": 6})
         client.text_document_did_open(lsp.DidOpenTextDocumentParams(
             text_document=lsp.TextDocumentItem(uri=uri, language_id="python", version=1, text=text)))
-        await wait_for(lambda: ws.document_text(uri) == text)
-        assert path in ws.files
+        await wait_for(lambda: ws.document_text(uri) == text and path in ws.files)
 
         older = asyncio.ensure_future(inline(client, text))
         await asyncio.sleep(0)
