@@ -35,9 +35,9 @@ def _daemon_args(p: argparse.ArgumentParser) -> None:
                    help="the daemon's Unix socket (default: warmspec.sock in the runtime directory)")
 
 
-def _workspace_args(p: argparse.ArgumentParser) -> None:
+def _workspace_args(p: argparse.ArgumentParser, when: str = "") -> None:
     p.add_argument("--workspace", action="append", default=[], metavar="DIR",
-                   help="a workspace root: files under it may be indexed for drafting (repeatable)")
+                   help=f"a workspace root: files under it may be indexed for drafting (repeatable){when}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(ask)
     _sampling_args(ask)
     _daemon_args(ask)
-    _workspace_args(ask)
+    _workspace_args(ask, "; used when ask starts the daemon")
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
                            description="Serve JSON-RPC on a Unix socket (always), JSON-RPC over TCP "
