@@ -112,6 +112,12 @@ def test_status_is_shown(smoke):
     assert "requests: " in res["messages"]
 
 
+def test_no_errors_or_deprecation_warnings(smoke):
+    res, _ = smoke
+    for bad in ("deprecated", "Error", "E5108", "stack traceback", "warmspec: inline completion"):
+        assert bad not in res["messages"], res["messages"]
+
+
 def test_closing_an_answer_cancels_it(smoke):
     res, _ = smoke
     cancel = res["cancel"]

@@ -28,7 +28,12 @@ local function byte_col(line, character, encoding)
   if encoding == "utf-8" then
     return math.min(character, #line)
   end
-  local ok, col = pcall(vim.str_byteindex, line, character, encoding == "utf-16")
+  local ok, col
+  if vim.fn.has("nvim-0.11") == 1 then -- (s, encoding, index, strict); the old form is deprecated
+    ok, col = pcall(vim.str_byteindex, line, encoding, character, false)
+  else
+    ok, col = pcall(vim.str_byteindex, line, character, encoding == "utf-16")
+  end
   return ok and col or #line
 end
 

@@ -83,6 +83,26 @@ local function flush_waiting(client)
   end
 end
 
+-- 0.11 deprecates vim.lsp.start_client for vim.lsp.start{attach = false}, which 0.10 lacks.
+local function start_client(config)
+  if has("0.11") then
+    return vim.lsp.start(config, { attach = false, reuse_client = function() return false end })
+  end
+  return vim.lsp.start_client(config)
+end
+
+-- Attach the file buffers already open (a new server after a restart or a crash).
+local function attach_open_buffers(client_id)
+  if not M.config.autostart then
+    return
+  end
+  for _, buf in ipairs(vim.api.nvim_list_bufs()) do
+    if vim.api.nvim_buf_is_loaded(buf) and M.wanted(buf) and not vim.lsp.buf_is_attached(buf, client_id) then
+      vim.lsp.buf_attach_client(buf, client_id)
+    end
+  end
+end
+
 local function start()
   local cfg = M.config
   local exe = cfg.cmd[1]
@@ -92,7 +112,7 @@ local function start()
   end
   local root = cfg.root_dir()
   state.stopping = false
-  local ok, id = pcall(vim.lsp.start_client, {
+  local ok, id = pcall(start_client, {
     name = "warmspec",
     cmd = cfg.cmd,
     cmd_cwd = root,
@@ -112,7 +132,10 @@ local function start()
         flush_waiting(client)
       end)
     end,
-    on_exit = function(code, signal)
+    on_exit = function(code, signal, client_id)
+      if client_id ~= state.client_id then
+        return -- a client stopped by a restart, after its successor started
+      end
       local was_ready = state.ready
       state.client_id, state.ready = nil, false
       local streams, waiting = state.streams, state.waiting
@@ -137,6 +160,7 @@ local function start()
     return nil
   end
   state.client_id = id
+  attach_open_buffers(id)
   return id
 end
 
@@ -268,25 +292,12 @@ function M.stop()
 end
 
 function M.restart()
-  local attached = {}
-  local client = M.client(false)
-  if client then
-    attached = vim.lsp.get_buffers_by_client_id(client.id)
-    M.stop()
-  end
+  M.stop()
   -- stop() is asynchronous: wait until the old client is gone before starting another.
   vim.wait(3000, function()
     return state.client_id == nil
   end, 20)
-  if #attached == 0 and M.config.autostart then
-    attached = vim.tbl_filter(M.wanted, vim.api.nvim_list_bufs())
-  end
-  M.client()
-  for _, buf in ipairs(attached) do
-    if vim.api.nvim_buf_is_loaded(buf) then
-      M.attach(buf)
-    end
-  end
+  M.start()
 end
 
 -- -- commands and setup -------------------------------------------------------------------------
