@@ -37,7 +37,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       }
     }),
   );
-  await start();
+  void start(); // not awaited: the model loads for seconds, and activation should not wait on it
 }
 
 export async function deactivate(): Promise<void> {
@@ -108,7 +108,15 @@ async function restart(): Promise<void> {
   await start();
 }
 
-function ready(): WarmspecSession | undefined {
+/** The session once the server is up: start() waits for one that is starting (the model loads
+ * first) and starts one that stopped. */
+async function ready(): Promise<WarmspecSession | undefined> {
+  try {
+    await client?.start();
+  } catch (err) {
+    vscode.window.showErrorMessage(`warmspec: ${errorText(err)}`);
+    return undefined;
+  }
   if (!session || !client?.isRunning()) {
     vscode.window.showErrorMessage('warmspec: the server is not running (Warmspec: Restart the Server)');
     return undefined;
@@ -127,8 +135,11 @@ async function ask(): Promise<void> {
     prompt: selection ? 'Ask warmspec about the selection' : 'Ask warmspec',
     placeHolder: 'a question',
   });
-  const s = question && ready();
-  if (!question || !s) {
+  if (!question) {
+    return;
+  }
+  const s = await ready();
+  if (!s) {
     return;
   }
   let content = question;
@@ -174,7 +185,7 @@ async function ask(): Promise<void> {
 }
 
 async function showStatus(): Promise<void> {
-  const s = ready();
+  const s = await ready();
   if (!s) {
     return;
   }
