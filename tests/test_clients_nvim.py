@@ -147,3 +147,25 @@ vim.cmd("qa!")
     assert 'cannot start the server: "/nonexistent/warmspec" is not an executable' in messages, messages
     assert "the server is not running" in messages
     assert "E5108" not in messages and "stack traceback" not in messages
+
+
+def test_a_server_that_fails_says_why(tmp_path):
+    """The daemon's own error (here: no such model) reaches the user, not just an exit code."""
+    script = tmp_path / "failing.lua"
+    out = tmp_path / "out.txt"
+    cmd = [sys.executable, "-m", "warmspec", "lsp", "--model", str(tmp_path / "no-such-model")]
+    script.write_text(f'''
+vim.cmd("runtime plugin/warmspec.lua")
+require("warmspec").setup({{ cmd = vim.fn.json_decode({json.dumps(json.dumps(cmd))}) }})
+vim.cmd("edit {tmp_path / 'a.py'}")
+vim.wait(30000, function() return vim.fn.execute("messages"):find("server exited") ~= nil end, 50)
+vim.fn.writefile(vim.split(vim.fn.execute("messages"), "\\n"), "{out}")
+vim.cmd("qa!")
+''')
+    env = dict(os.environ, **{var: str(tmp_path / var.lower()) for var in ("XDG_STATE_HOME", "XDG_CACHE_HOME")})
+    subprocess.run([nvim(), "--headless", "-u", "NONE", "-i", "NONE", "--cmd", f"set rtp^={PLUGIN}",
+                    "-c", f"luafile {script}"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                   capture_output=True, text=True, timeout=60)
+    messages = out.read_text()
+    assert "warmspec: the server exited (code 1) before it was ready: model " in messages, messages
+    assert "no-such-model' not found" in messages

@@ -103,6 +103,22 @@ local function attach_open_buffers(client_id)
   end
 end
 
+-- The server's last "warmspec: ..." line on stderr (its error message when it fails), which
+-- Neovim's LSP client only writes to its log.
+local function last_server_error()
+  local ok, lines = pcall(vim.fn.readfile, vim.lsp.get_log_path(), "", -200)
+  if not ok then
+    return nil
+  end
+  for i = #lines, 1, -1 do
+    local msg = lines[i]:match('"stderr"%s+"(warmspec: .*)"%s*$')
+    if msg then
+      return (msg:gsub("\\n.*$", "")) -- up to the first (escaped) newline
+    end
+  end
+  return nil
+end
+
 local function start()
   local cfg = M.config
   local exe = cfg.cmd[1]
@@ -142,9 +158,14 @@ local function start()
       state.streams, state.waiting = {}, {}
       vim.schedule(function()
         if not state.stopping then
-          local why = signal ~= 0 and ("signal " .. signal) or ("code " .. code)
-          M.error(("the server exited (%s)%s; its log is in %s"):format(
-            why, was_ready and "" or " before it was ready", vim.lsp.get_log_path()))
+          -- A moment later: the server's last words on stderr can arrive after its exit.
+          vim.defer_fn(function()
+            local why = signal ~= 0 and ("signal " .. signal) or ("code " .. code)
+            local said = code ~= 0 and last_server_error()
+            M.error(("the server exited (%s)%s%s; its log is in %s"):format(why,
+              was_ready and "" or " before it was ready", said and (": " .. said:gsub("^warmspec: ", "")) or "",
+              vim.lsp.get_log_path()))
+          end, 200)
         end
         for _, stream in pairs(streams) do
           stream(nil, { code = -32603, message = "the server exited" })
