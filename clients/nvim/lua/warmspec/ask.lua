@@ -71,7 +71,7 @@ local function messages(question, context)
   return msgs
 end
 
--- range: { name, filetype, text } of selected lines to ask about, or nil.
+-- context: { name, filetype, text } of the selected lines to ask about, or nil.
 function A.ask(question, context)
   question = vim.trim(question or "")
   if question == "" then

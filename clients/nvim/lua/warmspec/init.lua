@@ -323,8 +323,8 @@ end
 
 -- -- commands and setup -------------------------------------------------------------------------
 
-function M.ask(question, range)
-  require("warmspec.ask").ask(question, range)
+function M.ask(question, context)
+  require("warmspec.ask").ask(question, context)
 end
 
 function M.status()
