@@ -182,6 +182,8 @@ def test_copy_fraction():
     assert bench.copy_fraction(list(range(200, 230)), src) == 0.0
     assert bench.copy_fraction(src[10:30] + list(range(200, 220)), src) == 0.5
     assert bench.copy_fraction(src[10:15], src) == 0.0  # shorter than a span: no evidence
+    loop = list(range(200, 220)) * 3  # repeats itself: drafted from its own output
+    assert bench.copy_fraction(loop, src) == 40 / 60
     rng = np.random.default_rng(0)
     assert bench.copy_fraction(rng.integers(0, 50, 300).tolist(), rng.integers(0, 50, 300).tolist()) == 0.0
 

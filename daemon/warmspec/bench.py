@@ -59,10 +59,10 @@ if TYPE_CHECKING:
 
 MODES = ("plain", "ngram")
 GREEDY = SamplingParams()
-# A token counts as copied when it lies in an 8-token span that also occurs in the prompt (or a
-# file read). Measured over the 40 workspace edits: a reference against its own old file is 97%
-# covered at 8 tokens (98% at 3); against another case's file 0% at 8 but 4% at 3 -- short
-# n-grams such as "self." recur in any Python.
+# A token counts as copied when it lies in an 8-token span seen before: in the prompt, a file
+# read, or earlier in the output. Measured over the 40 workspace edits: a reference against its
+# own old file is 97% covered at 8 tokens (98% at 3); against another case's file 0% at 8 but 4%
+# at 3 -- short n-grams such as "self." recur in any Python.
 COPY_SPAN = 8
 WARMUP_TOKENS = 8
 VARIANTS = ("prompt_only", "in_prompt", "workspace")
@@ -146,14 +146,20 @@ def prepare(case: BenchCase, tokenizer: Tokenizer, root: Path) -> Prepared:
 
 
 def copy_fraction(output: Sequence[int], source: Sequence[int], span: int = COPY_SPAN) -> float:
-    """Share of ``output`` tokens that lie inside a ``span``-token window also found in ``source``."""
+    """Share of ``output`` tokens inside a ``span``-token window seen before, in ``source`` or
+    earlier in ``output``: what an n-gram drafter could have guessed. Earlier output counts
+    because small models loop: the 135M default answers the first edit with 747 tokens of one
+    repeated line -- 0% covered by the prompt, 94% by its own earlier output, drafted at 6-9
+    tokens a pass."""
     if not output:
         return 0.0
-    grams = {tuple(source[i : i + span]) for i in range(len(source) - span + 1)}
+    seen = {tuple(source[i : i + span]) for i in range(len(source) - span + 1)}
     covered = [False] * len(output)
     for j in range(len(output) - span + 1):
-        if tuple(output[j : j + span]) in grams:
+        window = tuple(output[j : j + span])
+        if window in seen:
             covered[j : j + span] = [True] * span
+        seen.add(window)
     return sum(covered) / len(output)
 
 
@@ -201,8 +207,8 @@ def run_modes(engines: dict[str, Engine], prep: Prepared, max_tokens: int,
     return samples
 
 
-def case_rows(file: str, case: BenchCase, prep: Prepared,
-              samples: dict[str, list[list[Sample]]]) -> list[CaseResult]:
+def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, list[list[Sample]]],
+              load_avg: float = 0.0) -> list[CaseResult]:
     """One row per mode and turn: medians over repeats; identical means every repeat's token
     ids equal plain's first run (so plain rows also catch nondeterminism)."""
     plain = samples.get("plain")
@@ -228,6 +234,7 @@ def case_rows(file: str, case: BenchCase, prep: Prepared,
                 identical_to_plain=ref is not None and all(s.tokens == ref for s in runs),
                 copy_fraction=copy_fraction(ref if ref is not None else runs[0].tokens,
                                             prep.copied_from[turn]),
+                load_avg=load_avg,
             ))
     return rows
 
@@ -511,7 +518,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
             except EngineError as e:
                 print(f"warmspec bench: {file} {case.id}: skipped: {e}", file=sys.stderr)
                 continue
-            new = case_rows(file, case, prep, samples)
+            new = case_rows(file, case, prep, samples, os.getloadavg()[0])
             done: list[ReplayResult] = []
             if replayers and case.reference:
                 done = replay_case(file, case, prep, replayers,
@@ -560,7 +567,8 @@ def report(res: BenchResults) -> str:
         f"- inputs: {', '.join(res.inputs)}; modes {', '.join(res.modes) or 'none'} alternating per "
         f"case, greedy, repeat {res.repeat} (medians); max draft {res.max_draft}",
         "- speedup: plain decode tok/s against the mode's on the same cases; identical: token ids "
-        "equal plain's", "",
+        "equal plain's; load: the 1-minute load average after the case (above the core count, "
+        "other processes competed for the CPU and timings are noisy)", "",
         "## Per input file", "",
     ]
     summary_rows = []
@@ -594,12 +602,14 @@ def report(res: BenchResults) -> str:
     lines += ["", "## Cases", ""]
     lines += _table(
         ("file", "id", "turn", "mode", "tokens", "prefill s", "TTFT s", "decode s", "tok/s",
-         "speedup", "passes", "tokens/pass", "accepted/drafted", "identical", "copy fraction"),
+         "speedup", "passes", "tokens/pass", "accepted/drafted", "identical", "copy fraction",
+         "load"),
         [(r.file, r.id, r.turn, r.mode, r.tokens, f"{r.prefill_s:.2f}", f"{r.ttft_s:.3f}",
           f"{r.decode_s:.2f}", f"{_rate(r.tokens, r.decode_s):.1f}",
           f"{case_speedup(r, plain[_key(r)]):.2f}x" if _key(r) in plain else "",
           r.passes, f"{r.tokens / r.passes:.2f}" if r.passes else "", f"{r.accepted}/{r.drafted}",
-          "yes" if r.identical_to_plain else "NO", f"{r.copy_fraction:.0%}") for r in res.cases])
+          "yes" if r.identical_to_plain else "NO", f"{r.copy_fraction:.0%}", f"{r.load_avg:.1f}")
+         for r in res.cases])
     if res.replays:
         lines += ["", "## Replays", ""]
         lines += _table(("file", "id", "variant", "reference", "tokens", "passes", "tokens/pass",
@@ -636,8 +646,8 @@ def plot(res: BenchResults, path: Path) -> None:
             ax.scatter(*zip(*pts), color=colour[f], label=f"{f} ({len(pts)})", alpha=0.8)
             measured = True
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel=f"copy fraction (share of plain output in {COPY_SPAN}-token spans of the prompt"
-                  " or files read)", ylabel="measured decode speedup, ngram vs plain (x)",
+    ax.set(xlabel=f"copy fraction (share of plain output in {COPY_SPAN}-token spans seen before:"
+                  " prompt, files read, earlier output)", ylabel="measured decode speedup, ngram vs plain (x)",
            title="measured on this machine", xlim=(-0.03, 1.03))
     if measured:
         ax.legend(loc="upper left", fontsize=8)
@@ -654,8 +664,8 @@ def plot(res: BenchResults, path: Path) -> None:
                     ax.scatter(*zip(*pts), color=colour[f], marker=markers[v], alpha=0.8,
                                label=f"{f}: {v} ({len(pts)})")
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel=f"copy fraction (share of reference in {COPY_SPAN}-token spans of the prompt"
-                      " or files read)", ylabel="projected decode speedup (x)",
+        ax.set(xlabel=f"copy fraction (share of reference in {COPY_SPAN}-token spans seen before:"
+                      " prompt, files read, earlier output)", ylabel="projected decode speedup (x)",
                title=f"replayed, priced with the {res.replay_costs} cost table", xlim=(-0.03, 1.03))
         ax.legend(loc="upper left", fontsize=8)
     m = res.machine

@@ -76,6 +76,7 @@ class CaseResult(Struct, kw_only=True):
     gated_steps: int = 0
     finish_reason: str = ""
     copy_fraction: float = 0.0
+    load_avg: float = 0.0  # 1-minute load average after the case: above the core count, noisy
 
 
 class ReplayResult(Struct, kw_only=True):
