@@ -4,8 +4,10 @@ that project it onto hardware we don't have.
 Measurement. Every case runs in every mode in one process, the modes alternating (plain, ngram,
 plain, ngram, ...), greedy, each mode on one long-lived ``Engine`` whose prefix cache is flushed
 between cases. Speedups are ratios of decode tok/s taken side by side on the same machine at the
-same moment: on a shared 2-core box absolute tok/s drifts with the neighbours' load, the ratio
-much less. As important as the speed: ngram's token ids must equal plain's on every case.
+same moment, because absolute tok/s drifts with the neighbours' load. Even the ratio does when the
+load is heavy: at a load average of 4-5 on 2 cores, prose cases drafting ~1 token a pass measured
+1.2-2.3x, hence ``--repeat`` (medians) and the load average recorded per case. As important as the
+speed: ngram's token ids must equal plain's on every case.
 
 Replay. Given an output known in advance (a case's ``reference``, or plain's output from this
 run), the real engine -- the same drafter, gate and verify loop -- runs against a replay model
