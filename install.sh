@@ -20,6 +20,18 @@ if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.
   fi
 fi
 
+# The editor-client tests drive a real headless Neovim (Debian/Ubuntu package: neovim).
+if [ -n "$extras" ] && ! command -v nvim >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && SUDO=sudo
+    $SUDO apt-get install -y -q neovim >/dev/null 2>&1 ||
+      { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q neovim >/dev/null; } ||
+      echo "install.sh: could not install neovim; the Neovim client tests will fail" >&2
+  else
+    echo "install.sh: install neovim for the editor-client tests" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$extras"
 echo "installed: .venv/bin/warmspec"

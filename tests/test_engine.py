@@ -92,3 +92,22 @@ def test_cancel_stops_within_a_step(default_lm):
     # the engine is consistent afterwards: the same prompt again equals a fresh engine's answer
     again = run(engine, prompt, max_tokens=10)[-1].tokens
     assert again == run(Engine(default_lm, speculate=False), prompt, max_tokens=10)[-1].tokens
+
+
+def test_cost_table_persists_per_machine(default_lm, tmp_path, monkeypatch):
+    """The verify-cost measurement runs once per machine and model; later engines load it."""
+    from warmspec.engine import default_cost_cache
+    from warmspec.gate import CostTable
+
+    monkeypatch.setenv("WARMSPEC_CACHE", str(tmp_path))
+    path = default_cost_cache(default_lm)
+    assert path.is_relative_to(tmp_path) and not path.exists()
+    first = Engine(default_lm, cost_cache=path)
+    measured = first.costs
+    assert path.exists()
+    calls = []
+    second = Engine(default_lm, cost_cache=path)
+    monkeypatch.setattr(second, "measure_costs", lambda *a, **k: calls.append(1))
+    assert second.costs.points == measured.points and not calls
+    path.write_text("{not json")
+    assert CostTable.load(path) is None

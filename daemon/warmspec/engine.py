@@ -13,8 +13,11 @@ acceptance estimates of the gate, and cumulative statistics.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import platform
 import time
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -42,6 +45,19 @@ MAX_DRAFT = 32
 CHECKPOINT_EVERY = 2048
 # A discarded tail at least this long is parked in the prefix store instead of dropped.
 KEEP_TAIL = 32
+
+
+def default_cost_cache(lm: LoadedModel, max_draft: int = MAX_DRAFT) -> Path:
+    """Where this machine's verify costs for ``lm`` are kept: keyed by everything that changes
+    them (model file, device, BLAS, MLX version, draft width, host)."""
+    from . import blas, fetch
+
+    src = Path(lm.source)
+    stamp = src.stat().st_mtime_ns if src.exists() else 0
+    key = "|".join(map(str, (src.resolve() if src.exists() else lm.source, stamp, lm.device,
+                             lm.quantized, blas.describe(), mx.__version__, max_draft,
+                             platform.node(), platform.machine())))
+    return fetch.cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
 class EngineError(ValueError):
@@ -89,6 +105,7 @@ class Engine:
         recurrent_rollback: str = "capture",
         prefix_budget_bytes: int | None = None,
         checkpoint_every: int = CHECKPOINT_EVERY,
+        cost_cache: Path | None = None,
     ):
         self.lm = lm
         self.model = lm.model
@@ -108,6 +125,7 @@ class Engine:
                         and hybrid.supports(self.model))
         self.replays = 0
         self.gated = gated
+        self.cost_cache = cost_cache
         self.observe_costs = observe_costs  # False for replays, whose passes are priced, not timed
         self._costs = costs
         self._gate: Gate | None = None
@@ -115,9 +133,17 @@ class Engine:
 
     @property
     def costs(self) -> CostTable:
-        """Verify-pass costs, measured on first use (a few seconds) unless given."""
+        """Verify-pass costs, measured on first use unless given or saved by an earlier run on
+        this machine (``cost_cache``): the measurement takes 5-15 s on a 2-core CPU, which an
+        editor would otherwise wait through at every start."""
+        if self._costs is None and self.cost_cache is not None:
+            self._costs = CostTable.load(self.cost_cache)
+            if self._costs is not None:
+                log.info("verify costs from %s", self.cost_cache)
         if self._costs is None:
             self._costs = self.measure_costs()
+            if self.cost_cache is not None:
+                self._costs.save(self.cost_cache)
         return self._costs
 
     @property

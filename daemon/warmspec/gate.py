@@ -19,8 +19,11 @@ compares it with a plain step, 1 / cost(1).
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 MATCH_BINS = (3, 5, 9, 17, 33)  # lower edges of match-length bins
@@ -101,6 +104,23 @@ class CostTable:
         r = min(max(seconds / self.cost(p, context), 0.25), 4.0)
         self.scale *= 1 + alpha * (r - 1)
         self.correction[p] = self.correction.get(p, 1.0) * (1 + beta * (r - 1))
+
+    def save(self, path: Path) -> None:
+        """Write the measured points (not the online corrections) atomically."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({str(c): {str(p): t for p, t in row.items()}
+                                   for c, row in self.points.items()}))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "CostTable | None":
+        """A table saved by ``save``, or None if missing or unreadable (then measure again)."""
+        try:
+            raw = json.loads(path.read_text())
+            return cls({int(c): {int(p): float(t) for p, t in row.items()} for c, row in raw.items()})
+        except (OSError, ValueError, AttributeError):
+            return None
 
     @property
     def widths(self) -> list[int]:
