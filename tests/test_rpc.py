@@ -293,6 +293,38 @@ def test_did_read_refuses_paths_outside_the_workspace(daemon, tmp_path):
     assert outside.resolve() not in daemon.app.workspace.files
 
 
+def test_roots_named_in_initialize_are_added_for_local_clients_only(default_lm, tmp_path):
+    """A client on the Unix socket (the daemon's user) may add its project to the workspace roots
+    through ``workspaceFolders``; a TCP client naming one changes nothing; and the home directory
+    and / are never added. A daemon of its own: the module's keeps a single root."""
+    d = InProcessDaemon(default_lm, tmp_path)
+    try:
+        remote = tmp_path / "remote"
+        local = tmp_path / "project"
+        for project in (remote, local):
+            project.mkdir()
+            (project / "main.py").write_text("print('hello')\n")
+
+        def read(c: Client, project: Path) -> wire.DidReadResult:
+            return c.call("warmspec/didRead", wire.DidReadParams(path=str(project / "main.py")), wire.DidReadResult)
+
+        with Client.tcp("127.0.0.1", d.port) as c:
+            c.initialize(roots=[remote, Path.home(), Path("/")])
+            with pytest.raises(RpcError) as refused:
+                read(c, remote)
+        with Client.unix(d.socket) as c:
+            c.initialize(roots=[local, Path.home(), Path("/")])
+            indexed = read(c, local)
+            with pytest.raises(RpcError) as still_refused:
+                read(c, remote)
+            status = c.call("warmspec/status", None, wire.Status)
+    finally:
+        d.close()
+    assert refused.value.code == still_refused.value.code == ErrorCode.PATH_REFUSED
+    assert indexed.path == str((local / "main.py").resolve())
+    assert status.workspace_roots == [str(d.root.resolve()), str(local.resolve())]
+
+
 # -- warmspec's client over the socket -----------------------------------------------------------------
 
 

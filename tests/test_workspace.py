@@ -4,6 +4,7 @@ symlink escapes, memory budget, and drafting from a read file."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +101,46 @@ def test_live_update_on_disk_change(tree):
         assert ws.reindexed >= 1
     finally:
         ws.stop()
+
+
+def test_add_root_while_watching(tree):
+    """A root added at runtime (an editor's project) has its .gitignore and is watched."""
+    other = tree.parent / "elsewhere"
+    other.mkdir()
+    ws = make(other)
+    ws.watch()
+    try:
+        with pytest.raises(WorkspaceError, match="outside"):
+            ws.did_read(str(tree / "src" / "util.py"))
+        assert ws.add_root(tree.as_uri()) is True
+        assert tree in ws.roots
+        with pytest.raises(WorkspaceError, match="ignored"):
+            ws.did_read(str(tree / "build" / "out.py"))
+        ws.did_read(str(tree / "src" / "util.py"))
+        assert ws.add_root(tree) is False  # already there
+        assert ws.add_root(tree / "src") is False  # covered
+        new = "def helper(x):\n    return x * 4\n"
+        (tree / "src" / "util.py").write_text(new)
+        deadline = time.time() + 10
+        while bytes(ws.sources()[0][0].tokens).decode() != new and time.time() < deadline:
+            time.sleep(0.05)
+        assert bytes(ws.sources()[0][0].tokens).decode() == new
+    finally:
+        ws.stop()
+
+
+def test_add_root_refuses_home_and_above(tree, tmp_path):
+    ws = make(tree)
+    home = Path.home()
+    (tmp_path / "to-home").symlink_to(home)
+    for path in (home, tmp_path / "to-home", Path("/")) + tuple(home.parents):
+        with pytest.raises(WorkspaceError, match="home directory"):
+            ws.add_root(path)
+    for path, reason in (("relative/dir", "absolute"), (tmp_path / "missing", "not a directory"),
+                         (tree / "notes.log", "not a directory")):
+        with pytest.raises(WorkspaceError, match=reason):
+            ws.add_root(path)
+    assert ws.roots == [tree]
 
 
 def test_open_buffer_wins_over_disk(tree):

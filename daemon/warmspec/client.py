@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import msgspec
 
@@ -70,10 +70,14 @@ class Client:
 
     # -- calls ---------------------------------------------------------------------------------------
 
-    def initialize(self, api_key: str | None = None, name: str = "warmspec-cli") -> wire.InitializeResult:
+    def initialize(self, api_key: str | None = None, name: str = "warmspec-cli",
+                   roots: Sequence[Path] = ()) -> wire.InitializeResult:
+        """``roots``: project directories for the daemon's workspace (added on the Unix socket
+        only; see PROTOCOL.md)."""
         options = wire.InitializationOptions(api_key=api_key) if api_key else None
+        folders = [wire.WorkspaceFolder(uri=Path(r).absolute().as_uri(), name=Path(r).name) for r in roots]
         params = wire.InitializeParams(process_id=os.getpid(), client_info=wire.ClientInfo(name=name),
-                                       initialization_options=options)
+                                       workspace_folders=folders or None, initialization_options=options)
         result = self.call("initialize", params, wire.InitializeResult)
         self.notify("initialized", {})
         return result

@@ -6,8 +6,9 @@ A file enters the index when a client reports reading it (``warmspec/didRead``, 
 a workspace root (symlinks included); binary files, files over ``max_file_bytes`` and ``.gitignore``d
 paths are refused. Indexes are dropped least-recently-read first beyond ``budget_bytes``.
 
-A watcher (watchdog) keeps read files current when they change on disk -- unless the editor has the
-file open, whose buffer wins. A changed file is re-tokenized, but its index is only cut back to
+Roots are the daemon's ``--workspace`` directories, plus the projects editors name when they connect
+over the socket or stdio (``add_root``). A watcher (watchdog) keeps read files current when they
+change on disk -- unless the editor has the file open, whose buffer wins. A changed file is re-tokenized, but its index is only cut back to
 the first changed token and extended from there, so an edit near the end of a large file costs
 little.
 """
@@ -118,10 +119,43 @@ class Workspace:
         self._documents: dict[Path, str] = {}  # open editor buffers (may differ from disk)
         self._ignore = {r: [".git", *_gitignore_patterns(r)] for r in self.roots}
         self._lock = threading.RLock()
+        self._watch_lock = threading.Lock()  # the observer, and whether roots should be watched
+        self._watching = False
         self._observer = None
         self.reindexed = 0  # files re-indexed after a change on disk (for status and tests)
 
     # -- paths ------------------------------------------------------------------------------------
+
+    def add_root(self, path_or_uri: str | Path) -> bool:
+        """Add a root while running: an editor's project, named when it connects. Its .gitignore
+        applies and, once the workspace is watched, so does the watcher. False when a root already
+        covers it. The home directory and the directories above it (``/`` included) are refused:
+        every file of the user would become readable for drafting, and the watcher would walk all
+        of it."""
+        raw = path_from_uri(str(path_or_uri))
+        if not raw or "\x00" in raw or not Path(raw).is_absolute():
+            raise WorkspaceError(f"workspace root {raw!r} is not an absolute path")
+        real = Path(os.path.realpath(raw))
+        if not real.is_dir():
+            raise WorkspaceError(f"workspace root {raw} is not a directory")
+        home = Path(os.path.realpath(Path.home()))
+        if real == home or real in home.parents or real == Path(real.anchor):
+            raise WorkspaceError(f"{real} is refused as a workspace root: it is the home directory "
+                                 "or above it")
+        with self._lock:
+            if any(real == r or r in real.parents for r in self.roots):
+                return False
+            self._ignore[real] = [".git", *_gitignore_patterns(real)]
+            self.roots = [*self.roots, real]  # a new list: resolve() reads it without the lock
+        log.info("workspace: added root %s", real)
+        with self._watch_lock:
+            if self._watching:
+                try:
+                    self._schedule(real)
+                except OSError as e:  # e.g. the user's inotify watches are used up
+                    log.warning("workspace: cannot watch %s (%s): files read under it are not "
+                                "re-indexed when they change on disk", real, e)
+        return True
 
     def resolve(self, path_or_uri: str) -> Path:
         """The real path of a file inside a root; ``WorkspaceError`` otherwise."""
@@ -226,9 +260,14 @@ class Workspace:
     # -- watching the disk -------------------------------------------------------------------------
 
     def watch(self) -> None:
-        """Start watching the roots; read files changed on disk are re-indexed."""
-        if self._observer is not None or not self.roots:
-            return
+        """Watch the roots, and those added later; read files changed on disk are re-indexed."""
+        with self._watch_lock:
+            self._watching = True
+            for root in self.roots:
+                self._schedule(root)
+
+    def _schedule(self, root: Path) -> None:
+        """Watch ``root`` (the observer thread starts with the first root). Under ``_watch_lock``."""
         from watchdog.events import FileSystemEventHandler
         from watchdog.observers import Observer
 
@@ -242,17 +281,19 @@ class Workspace:
                     if raw:
                         ws.on_disk_change(Path(os.fsdecode(raw)))
 
-        self._observer = Observer()
-        for root in self.roots:
-            self._observer.schedule(Handler(), str(root), recursive=True)
-        self._observer.daemon = True
-        self._observer.start()
+        if self._observer is None:
+            self._observer = Observer()
+            self._observer.daemon = True
+            self._observer.start()
+        self._observer.schedule(Handler(), str(root), recursive=True)
 
     def stop(self) -> None:
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
-            self._observer = None
+        with self._watch_lock:
+            self._watching = False
+            observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout=5)
 
     def on_disk_change(self, path: Path) -> None:
         """Re-index ``path`` if it was read and is not open in the editor; drop it if gone."""

@@ -115,11 +115,22 @@ class ClientCapabilities(Struct, frozen=True):
     """A plain client declares none; editors send LSP's full ``ClientCapabilities``."""
 
 
+class WorkspaceFolder(Struct, kw_only=True):
+    """LSP's: a project directory, as a ``file://`` URI."""
+
+    uri: str
+    name: str
+
+
 class InitializeParams(Struct, kw_only=True, rename="camel"):
-    """The part of LSP's ``InitializeParams`` a warmspec client sends."""
+    """The part of LSP's ``InitializeParams`` a warmspec client sends. ``workspaceFolders`` (else
+    ``rootUri``) become workspace roots of the daemon when the connection is local -- stdio or the
+    Unix socket, never TCP; see PROTOCOL.md."""
 
     process_id: int | None = None
     client_info: ClientInfo | None = None
+    root_uri: str | None = None
+    workspace_folders: list[WorkspaceFolder] | None = None
     capabilities: ClientCapabilities = ClientCapabilities()
     initialization_options: InitializationOptions | None = None
 

@@ -117,8 +117,11 @@ class PrefixCacheStats(Struct, kw_only=True):
 
 
 class Status(Struct, kw_only=True):
-    """What the daemon is doing: model, queue, cumulative statistics."""
+    """What the daemon is doing: model, queue, cumulative statistics. ``pid`` tells clients
+    whether they share one daemon; ``workspace_roots`` are the directories whose files it may index
+    (``--workspace`` and those editors added)."""
 
+    pid: int
     model: ModelInfo
     blas: str
     uptime_s: float
@@ -129,6 +132,7 @@ class Status(Struct, kw_only=True):
     totals: GenerationStats
     workspace_files: int = 0
     workspace_bytes: int = 0
+    workspace_roots: list[str] = []
     prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
 
 

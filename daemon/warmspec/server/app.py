@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,15 +42,20 @@ class App:
         self.engine = engine
         self.limits = limits or Limits()
         self.api_key = api_key
-        self.workspace = Workspace(workspace_roots, lm.tokenizer) if workspace_roots else None
+        # Always there, roots or not: editors add theirs while the daemon runs (Workspace.add_root).
+        self.workspace = Workspace(workspace_roots, lm.tokenizer)
         self.scheduler = Scheduler(engine, workspace=self.workspace)
         self.started = time.time()
 
     def start(self) -> None:
+        """Start decoding, and watching the workspace: files read earlier are re-indexed when
+        they change on disk. Idempotent (the HTTP server calls it again)."""
         self.scheduler.start()
+        self.workspace.watch()
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self.workspace.stop()
 
     # -- requests -> jobs -------------------------------------------------------------------------
 
@@ -71,8 +77,6 @@ class App:
         """Index the workspace files that the chat's tool calls name (``path``, ``file_path``, ...):
         an agent reads a file through a tool and then writes its new version, copying most of it.
         The file is read from disk, not from the tool result, which may be numbered or cut."""
-        if self.workspace is None:
-            return 0
         seen = 0
         for m in messages:
             for call in m.get("tool_calls") or []:
@@ -139,6 +143,6 @@ class App:
                       queue=s.queue_depth, active=s.active is not None,
                       requests_completed=s.completed, requests_failed=s.failed,
                       totals=self.engine.totals,
-                      workspace_files=len(ws.files) if ws else 0,
-                      workspace_bytes=ws.nbytes if ws else 0,
+                      workspace_files=len(ws.files), workspace_bytes=ws.nbytes,
+                      workspace_roots=[str(r) for r in ws.roots], pid=os.getpid(),
                       prefix_cache=self.engine.prefix_stats())

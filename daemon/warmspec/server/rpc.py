@@ -26,7 +26,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Literal
 from urllib.parse import unquote
 
 import msgspec
@@ -45,13 +45,18 @@ from warmspec_protocol.rpc import ErrorCode
 
 from .. import __version__
 from ..engine import Delta, EngineError, Finished
-from ..workspace import WorkspaceError
+from ..workspace import WorkspaceError, path_from_uri
 from .app import App
 from .framing import HEADER_LIMIT, FrameError, frame, read_frame
 from .inline import GhostText, cursor_context
 from .scheduler import PRIORITY_NORMAL, Job, Ticket
 
 log = logging.getLogger("warmspec.rpc")
+
+# stdio: an editor spawned this process; unix: the socket, 0600 in a 0700 directory (same user);
+# tcp: anyone who can reach the port.
+Transport = Literal["stdio", "unix", "tcp"]
+
 
 class RpcError(JsonRpcException):
     """A request the daemon refuses; pygls answers it with ``code`` and ``message``."""
@@ -128,15 +133,19 @@ def feature(method: str, options: Any = None) -> Callable:
 
 
 class Connection(LanguageServer):
-    """One client. ``trusted`` (stdio: the editor spawned us) skips the api key."""
+    """One client. On stdio (the editor spawned us) no api key is asked for. A ``local``
+    connection -- stdio or the Unix socket, so the same user -- may add its editor's project to the
+    workspace roots; a TCP client may not widen what the daemon reads."""
 
-    def __init__(self, service: "RpcService", name: str, *, trusted: bool):
+    def __init__(self, service: "RpcService", name: str, *, transport: Transport):
         super().__init__("warmspec", __version__, text_document_sync_kind=lsp.TextDocumentSyncKind.Full,
                          protocol_cls=WarmspecProtocol, converter_factory=shared_converter)
         self.service = service
         self.app = service.app
         self.name = name
-        self.authorized = trusted or service.app.api_key is None
+        self.transport = transport
+        self.local = transport in ("stdio", "unix")
+        self.authorized = transport == "stdio" or service.app.api_key is None
         self.initialized = False
         self.shut_down = False
         self.closing = False
@@ -397,6 +406,20 @@ def initialize(ls: Connection, params: lsp.InitializeParams) -> None:
     ls.initialized = True
     client = params.client_info.name if params.client_info else "a client"
     log.info("%s: initialized by %s", ls.name, client)
+    if roots := editor_roots(params):
+        ls.service.add_roots(ls, roots)
+
+
+def editor_roots(params: lsp.InitializeParams) -> list[str]:
+    """The project directories an editor names: ``workspaceFolders``, else ``rootUri``, else the
+    older ``rootPath`` (LSP's order of precedence); ``file:`` URIs only."""
+    if params.workspace_folders:
+        uris = [f.uri for f in params.workspace_folders]
+    elif params.root_uri:
+        uris = [params.root_uri]
+    else:
+        return [params.root_path] if params.root_path else []
+    return [path_from_uri(u) for u in uris if u.startswith("file:")]
 
 
 @feature(lsp.SHUTDOWN)
@@ -531,16 +554,16 @@ class RpcService:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=HEADER_LIMIT)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), stdin)
-        conn = Connection(self, "stdio", trusted=True)
+        conn = Connection(self, "stdio", transport="stdio")
         self.connections.add(conn)
         await conn.serve(reader, StdoutWriter(stdout))
         return conn.exit_code
 
-    def _accept(self, kind: str) -> Callable:
+    def _accept(self, kind: Transport) -> Callable:
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = writer.get_extra_info("peername")
             name = f"{kind}#{next(self._ids)}" + (f" {peer[0]}:{peer[1]}" if kind == "tcp" and peer else "")
-            conn = Connection(self, name, trusted=False)
+            conn = Connection(self, name, transport=kind)
             self.connections.add(conn)
             try:
                 await conn.serve(reader, writer)
@@ -560,11 +583,27 @@ class RpcService:
 
     # -- workspace ------------------------------------------------------------------------------------
 
+    def add_roots(self, conn: Connection, roots: list[str]) -> None:
+        """Add a local client's project directories to the workspace roots; refuse a TCP
+        client's. On the indexer thread, in order: the documents and reads the client sends next
+        are indexed after their root is in place (and scheduling a watch walks the tree)."""
+        if not conn.local:
+            log.info("%s: workspace roots %s not added: only --workspace roots count over TCP",
+                     conn.name, ", ".join(roots))
+            return
+        self._indexer.submit(self._add_roots, conn.name, roots).add_done_callback(_log_failure)
+
+    def _add_roots(self, name: str, roots: list[str]) -> None:
+        for root in roots:
+            try:
+                if not self.app.workspace.add_root(root):
+                    log.debug("%s: %s is already in the workspace", name, root)
+            except WorkspaceError as e:
+                log.info("%s: %s", name, e)
+
     def index_document(self, uri: str, text: str | None) -> None:
         """Record an editor buffer (None: closed) into the workspace, coalescing a burst of
         changes into one re-index of the newest text."""
-        if self.app.workspace is None:
-            return
         with self._pending_lock:
             queued = uri in self._pending
             self._pending[uri] = text
@@ -585,8 +624,9 @@ class RpcService:
 
     async def did_read(self, params: wire.DidReadParams) -> wire.DidReadResult:
         ws = self.app.workspace
-        if ws is None:
-            raise RpcError(ErrorCode.PATH_REFUSED, "this daemon has no workspace roots (start it with --workspace DIR)")
+        if not ws.roots:
+            raise RpcError(ErrorCode.PATH_REFUSED, "this daemon has no workspace roots (start it with "
+                           "--workspace DIR, or name the project in initialize's workspaceFolders)")
         loop = asyncio.get_running_loop()
         try:
             path = await loop.run_in_executor(self._indexer, ws.did_read, params.path, params.text,
@@ -595,6 +635,12 @@ class RpcService:
             raise RpcError(ErrorCode.PATH_REFUSED, str(e)) from None
         log.info("indexed %s (%d files in the workspace index)", path, len(ws.files))
         return wire.DidReadResult(path=str(path), workspace_files=len(ws.files))
+
+
+def _log_failure(future: Future) -> None:
+    """Log what a job on the indexer thread raised: nobody waits on its future."""
+    if not future.cancelled() and (error := future.exception()) is not None:
+        log.error("indexer job failed", exc_info=error)
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
