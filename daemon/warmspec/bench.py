@@ -594,7 +594,9 @@ def report(res: BenchResults) -> str:
                   f"{res.replay_costs} cost table", "",
                   "prompt_only: drafts from the prompt and the output; in_prompt: the read files "
                   "pasted into the prompt; workspace: every workspace file indexed, the read ones "
-                  "at conversation priority.", ""]
+                  "at conversation priority. The gate drafts by the cost table, so tokens/pass "
+                  "depends on it too: in_prompt's prompt is longer by the files, and where a wide "
+                  "pass costs more at a longer context (CPU) it drafts less there.", ""]
         lines += _table(("file", "variant", "cases", "tokens", "tokens/pass", "acceptance",
                          "projected speedup"),
                         [(f, v, r.cases, r.tokens, f"{r.tokens_per_pass:.2f}", f"{r.acceptance:.0%}",
