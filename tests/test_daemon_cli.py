@@ -147,21 +147,25 @@ def test_serve_over_tcp_and_http_with_an_api_key(env, tmp_path):
 
 class Editor(LanguageClient):
     returncode: int | None = None
+    stderr: bytes = b""
 
     async def server_exit(self, server) -> None:
         self.returncode = server.returncode
+        self.stderr = await server.stderr.read()
 
 
-def test_lsp_on_stdio(env, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["through-the-daemon", "in-process"])
+def test_lsp_on_stdio(env, tmp_path, mode):
     """An editor spawning ``warmspec lsp``: initialize, a document, ghost text, a refused read, and
-    LSP's shutdown/exit ending the process with status 0."""
+    LSP's shutdown/exit ending the process with status 0 -- relayed to the daemon, or served by a
+    model of its own."""
     doc = tmp_path / "hello.py"
     text = "# Print a greeting to the user\nprint("
     uri = doc.as_uri()
 
     async def scenario():
         client = Editor("editor", "1")
-        await client.start_io(sys.executable, "-m", "warmspec", "lsp", "--no-speculate", "--workspace",
+        await client.start_io(sys.executable, "-m", "warmspec", "lsp", *mode, "--no-speculate", "--workspace",
                               str(tmp_path), env=env)
         result = await client.initialize_async(lsp.InitializeParams(
             capabilities=lsp.ClientCapabilities(), initialization_options={"inlineCompletion": {"maxTokens": 4}}))
@@ -183,3 +187,95 @@ def test_lsp_on_stdio(env, tmp_path):
     assert ghost.items and ghost.items[0].insert_text
     assert refused.code == ErrorCode.PATH_REFUSED
     assert code == 0
+    runtime = Path(env["WARMSPEC_RUNTIME_DIR"])
+    assert (runtime / "warmspec.pid").exists() == (not mode)  # the daemon outlives the editor
+
+
+def lsp_process(*args: str) -> list[str]:
+    return [sys.executable, "-m", "warmspec", "lsp", "--no-speculate", *args]
+
+
+async def open_editor(env: dict, root: Path, *, folders: bool, cwd: Path) -> Editor:
+    """``warmspec lsp`` spawned by an editor whose ``initialize`` names its project ``root`` (as
+    ``rootUri``, or as ``workspaceFolders``); ``cwd``, the server's default root, is elsewhere so
+    the two can be told apart."""
+    editor = Editor("editor", "1")
+    await editor.start_io(*lsp_process(), env=env, cwd=str(cwd))
+    named = (dict(workspace_folders=[lsp.WorkspaceFolder(uri=root.as_uri(), name=root.name)]) if folders
+             else dict(root_uri=root.as_uri()))
+    await editor.initialize_async(lsp.InitializeParams(capabilities=lsp.ClientCapabilities(), **named))
+    editor.initialized(lsp.InitializedParams())
+    return editor
+
+
+async def close_editor(editor: Editor) -> int:
+    await editor.shutdown_async(None)
+    editor.exit(None)
+    await asyncio.wait_for(editor.stop(), 60)
+    return editor.returncode
+
+
+def daemon_status(runtime: Path) -> wire.Status:
+    with Client.unix(runtime / "warmspec.sock") as c:
+        c.initialize()
+        return c.call("warmspec/status", None, wire.Status)
+
+
+def test_two_editors_share_one_daemon(env, tmp_path):
+    """Two editors start ``warmspec lsp`` at the same moment: one daemon starts (one model load),
+    both talk to it, and each one's project becomes a workspace root. The daemon outlives them;
+    ``lsp --model`` naming another model is refused, and an editor whose daemon is stopped under
+    it sees its server exit with status 1."""
+    runtime = Path(env["WARMSPEC_RUNTIME_DIR"])
+    projects = [tmp_path / "alpha", tmp_path / "beta"]
+    cwd = tmp_path / "cwd"
+    for p in (*projects, cwd):
+        p.mkdir()
+        (p / "main.py").write_text(f"print('{p.name}')\n")
+    question = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
+
+    async def use(editor: Editor, project: Path) -> tuple:
+        send = editor.protocol.send_request_async
+        status = await send("warmspec/status", None)
+        answer = await send("warmspec/chat", question)
+        read = await send("warmspec/didRead", {"path": str(project / "main.py")})
+        return status, answer, read
+
+    async def scenario():
+        editors = await asyncio.gather(open_editor(env, projects[0], folders=False, cwd=cwd),
+                                       open_editor(env, projects[1], folders=True, cwd=cwd))
+        used = await asyncio.gather(*(use(e, p) for e, p in zip(editors, projects)))
+        codes = [await close_editor(e) for e in editors]
+        return used, codes
+
+    used, codes = asyncio.run(scenario())
+    (status_a, answer_a, read_a), (status_b, answer_b, read_b) = used
+    daemon_pid = int((runtime / "warmspec.pid").read_text())
+    assert status_a.pid == status_b.pid == daemon_pid
+    assert answer_a.text and answer_a.text == answer_b.text  # greedy, one model
+    assert read_a.path == str((projects[0] / "main.py").resolve())
+    assert read_b.path == str((projects[1] / "main.py").resolve())
+    roots = {str(p.resolve()) for p in (*projects, cwd)}
+    assert set(daemon_status(runtime).workspace_roots) == roots
+    assert daemon_status(runtime).requests_completed == 2
+    log = (runtime / "warmspec.log").read_text()
+    assert len(re.findall(r"loaded SmolLM2-135M-Instruct in", log)) == 1, log
+    assert codes == [0, 0] and pid_alive(daemon_pid)
+
+    # Another model: refused before anything reaches the daemon's workspace.
+    other = subprocess.run(lsp_process("--model", str(tmp_path / "other.gguf"), "--workspace", str(tmp_path)),
+                           env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode == 1 and "serves SmolLM2-135M-Instruct" in other.stderr, other.stderr
+    assert other.stdout == ""  # stdout is the protocol's
+    assert set(daemon_status(runtime).workspace_roots) == roots
+
+    async def stopped_under_it():
+        editor = await open_editor(env, projects[0], folders=False, cwd=cwd)
+        stop = await asyncio.to_thread(warmspec, "stop", env=env)
+        await asyncio.wait_for(editor.stop(), 60)
+        return stop, editor.returncode, editor.stderr
+
+    stop, code, stderr = asyncio.run(stopped_under_it())
+    assert stop.returncode == 0 and f"pid {daemon_pid}" in stop.stderr
+    assert code == 1 and b"the daemon closed the connection" in stderr, stderr

@@ -76,10 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="clients must present this key (default: $WARMSPEC_API_KEY)")
 
-    lsp = sub.add_parser("lsp", help="serve LSP/JSON-RPC on stdio, for an editor that spawns it")
+    lsp = sub.add_parser("lsp", help="LSP/JSON-RPC on stdio for an editor, served by the daemon",
+                         description="For an editor that spawns its language server: relay stdio to "
+                                     "the daemon (started in the background when none runs, and reused "
+                                     "by every editor and ask), which adds the editor's project to its "
+                                     "workspace roots. With --model, the running daemon must serve that "
+                                     "model: warmspec says so and stops otherwise.")
+    lsp.add_argument("--in-process", action="store_true",
+                     help="load the model in this process and serve the editor alone, without the daemon")
     _model_args(lsp)
+    _daemon_args(lsp)
     lsp.add_argument("--workspace", action="append", default=[], metavar="DIR",
-                     help="a workspace root (repeatable; default: the current directory, unless it is ~ or /)")
+                     help="a workspace root (repeatable; default: the current directory, unless it is ~ "
+                          "or /); given to the daemon as the editor's project is")
 
     stop = sub.add_parser("stop", help="stop the running daemon")
     _daemon_args(stop)
@@ -105,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ask(args)
         if args.command == "pull":
             return cmd_pull(args)
+        if args.command == "lsp" and not args.in_process:
+            from .proxy import cmd_lsp
+
+            return cmd_lsp(args)
         if args.command in ("serve", "lsp", "stop"):
             from .server import daemon
 
-            return {"serve": daemon.cmd_serve, "lsp": daemon.cmd_lsp, "stop": daemon.cmd_stop}[args.command](args)
+            return {"serve": daemon.cmd_serve, "lsp": daemon.cmd_lsp_in_process,
+                    "stop": daemon.cmd_stop}[args.command](args)
     except DaemonError as e:
         print(f"warmspec: {e}", file=sys.stderr)
         return 1
@@ -192,30 +206,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def connect_daemon(args: argparse.Namespace, err):
-    """A client of the running daemon, or of one started now in the background (its load progress
-    shown until the socket answers)."""
-    from .client import Client
-    from .server import daemon
-
-    paths = daemon.RuntimePaths.resolve(args.socket)
-    try:
-        return Client.unix(paths.socket)
-    except OSError:
-        pass
-    serve_args = [*(["--model", args.model] if args.model else []), "--max-draft", str(args.max_draft),
-                  *(["--no-speculate"] if args.no_speculate else []),
-                  *(a for w in args.workspace for a in ("--workspace", w))]
-    offset = paths.log.stat().st_size if paths.log.exists() else 0
-    proc = daemon.start_background(paths, serve_args)
-    with err.status("Starting the warmspec daemon…") as spinner:
-        client = daemon.wait_until_ready(paths, proc, offset,
-                                         lambda line: spinner.update(f"Starting the daemon: {line}"))
-    err.print(f"[dim]warmspec: daemon started (pid {proc.pid}, log {paths.log}); "
-              f"`warmspec stop` ends it[/dim]")
-    return client
-
-
 def ask_daemon(args: argparse.Namespace, err) -> int:
     """``ask`` as a client: stream the answer from the daemon; Ctrl-C cancels it there."""
     import msgspec
@@ -224,19 +214,13 @@ def ask_daemon(args: argparse.Namespace, err) -> int:
     from warmspec_protocol import rpc as wire
 
     from .client import RpcError
-    from .server.daemon import model_key
+    from .connect import check_model, connect_daemon
 
     client = connect_daemon(args, err)
     with client:
         try:
             client.initialize(api_key=args.api_key or os.environ.get("WARMSPEC_API_KEY"))
-            models = client.call("warmspec/models", None, wire.ModelsResult)
-            if args.model and model_key(args.model) != models.requested:
-                err.print(f"[red]warmspec: the running daemon serves {models.models[0].id} "
-                          f"({models.requested or 'the default model'}), not {args.model}. "
-                          "Stop it with `warmspec stop`, use another --socket for a second daemon, "
-                          "or run with --in-process.[/red]")
-                return 1
+            models = check_model(client, args.model)
             for f in args.file:
                 try:
                     client.call("warmspec/didRead", wire.DidReadParams(path=str(f.resolve())), wire.DidReadResult)

@@ -1,5 +1,5 @@
-"""The daemon process: ``warmspec serve``, ``warmspec lsp``, ``warmspec stop``, and starting a
-daemon in the background for ``warmspec ask``.
+"""The daemon process: ``warmspec serve``, ``warmspec lsp --in-process``, ``warmspec stop``, and
+starting a daemon in the background for ``warmspec ask`` and ``warmspec lsp`` (see proxy.py).
 
 Its files live in a per-user runtime directory, mode 0700: ``$WARMSPEC_RUNTIME_DIR``, else
 ``$XDG_RUNTIME_DIR/warmspec``, else ``/tmp/warmspec-$UID``. Next to the socket ``warmspec.sock``
@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 log = logging.getLogger("warmspec.daemon")
 
@@ -171,17 +171,10 @@ def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None
         engine.costs
     app = App(lm, engine, workspace_roots=roots, api_key=api_key)
     app.start()
-    if app.workspace is not None:
-        app.workspace.watch()  # files read earlier are re-indexed when they change on disk
+    if app.workspace.roots:
         log.info("workspace: %s", ", ".join(str(r) for r in app.workspace.roots))
     log.info("loaded %s in %.1f s", lm.name, time.perf_counter() - t)
     return app
-
-
-def stop_app(app) -> None:
-    app.stop()
-    if app.workspace is not None:
-        app.workspace.stop()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -211,7 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(app, paths, args))
     finally:
         if app is not None:
-            stop_app(app)
+            app.stop()
         paths.socket.unlink(missing_ok=True)
         lock.release()
 
@@ -253,29 +246,40 @@ async def _serve(app, paths: RuntimePaths, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_lsp(args: argparse.Namespace) -> int:
-    """An LSP server on stdio for an editor that spawns it (the editor is trusted: no api key)."""
-    from ..model import ModelError
-    from .rpc import RpcService
+def default_lsp_roots(workspace: list[str]) -> list[Path]:
+    """``lsp``'s roots: ``--workspace``, else the current directory -- an editor spawns its
+    language server in the project -- but not a home directory or /, which the workspace watcher
+    would walk directory by directory."""
+    cwd = Path.cwd()
+    return [Path(w) for w in workspace] or ([cwd] if cwd not in (Path.home(), Path("/")) else [])
 
-    # The protocol owns stdout: anything else printing there (a library, a stray print) would
-    # corrupt the stream, so fd 1 becomes stderr and the protocol writes to a private copy.
+
+def claim_stdout() -> BinaryIO:
+    """Stdout for the protocol alone: anything else printing there (a library, a stray print)
+    would corrupt the stream, so fd 1 becomes stderr and the protocol writes to a private copy."""
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    # An editor spawns its language server in the project: default to it -- but not to a home
-    # directory or /, which the workspace watcher would walk directory by directory.
-    cwd = Path.cwd()
-    roots = [Path(w) for w in args.workspace] or ([cwd] if cwd not in (Path.home(), Path("/")) else [])
+    return protocol_out
+
+
+def cmd_lsp_in_process(args: argparse.Namespace) -> int:
+    """An LSP server on stdio with a model of its own, for an editor that spawns it (the editor is
+    trusted: no api key). Isolated from the daemon; ``warmspec lsp`` without ``--in-process``
+    relays to it instead."""
+    from ..model import ModelError
+    from .rpc import RpcService
+
+    protocol_out = claim_stdout()
     try:
-        app = load_app(args, roots=roots, api_key=None)
+        app = load_app(args, roots=default_lsp_roots(args.workspace), api_key=None)
     except ModelError as e:
         raise DaemonError(str(e)) from None
     try:
         return asyncio.run(RpcService(app, model_spec=model_key(args.model)).serve_stdio(sys.stdin.buffer,
                                                                                         protocol_out))
     finally:
-        stop_app(app)
+        app.stop()
 
 
 # -- stop ------------------------------------------------------------------------------------------------
