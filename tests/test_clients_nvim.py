@@ -40,7 +40,7 @@ def run_smoke(tmp_path: Path, server_cmd: list[str]) -> dict:
     source = tmp_path / "example.py"
     source.write_text(SOURCE)
     out = tmp_path / "out.json"
-    env = dict(os.environ)
+    env = dict(os.environ, WARMSPEC_RUNTIME_DIR=str(tmp_path / "rt"))  # the test's own daemon
     for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
         env[var] = str(tmp_path / var.lower())  # lsp.log and friends stay in the test's directory
     env.update(WARMSPEC_TEST_CMD=json.dumps(server_cmd), WARMSPEC_TEST_FILE=str(source),
@@ -52,6 +52,8 @@ def run_smoke(tmp_path: Path, server_cmd: list[str]) -> dict:
                               text=True, timeout=240)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"headless nvim did not finish: {e}\n{lsp_log(tmp_path)}")
+    finally:  # `warmspec lsp` started a daemon, which outlives the editor
+        subprocess.run([sys.executable, "-m", "warmspec", "stop"], env=env, capture_output=True, timeout=60)
     assert out.exists(), f"nvim wrote no results (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
 
@@ -162,7 +164,8 @@ vim.wait(30000, function() return vim.fn.execute("messages"):find("server exited
 vim.fn.writefile(vim.split(vim.fn.execute("messages"), "\\n"), "{out}")
 vim.cmd("qa!")
 ''')
-    env = dict(os.environ, **{var: str(tmp_path / var.lower()) for var in ("XDG_STATE_HOME", "XDG_CACHE_HOME")})
+    env = dict(os.environ, WARMSPEC_RUNTIME_DIR=str(tmp_path / "rt"),  # never a user's running daemon
+               **{var: str(tmp_path / var.lower()) for var in ("XDG_STATE_HOME", "XDG_CACHE_HOME")})
     subprocess.run([nvim(), "--headless", "-u", "NONE", "-i", "NONE", "--cmd", f"set rtp^={PLUGIN}",
                     "-c", f"luafile {script}"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
                    capture_output=True, text=True, timeout=60)

@@ -63,9 +63,13 @@ def test_session_against_a_real_server(node_modules, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = dict(os.environ,
                WARMSPEC_TEST_CMD=json.dumps([sys.executable, "-m", "warmspec", "lsp", "--workspace", str(tmp_path)]),
-               WARMSPEC_TEST_WORKSPACE=str(tmp_path))
-    proc = subprocess.run([tool("node"), "--test", "--test-reporter=tap", "out/test/"], cwd=EXT, env=env,
-                          capture_output=True, text=True, timeout=300)
+               WARMSPEC_TEST_WORKSPACE=str(tmp_path),
+               WARMSPEC_RUNTIME_DIR=str(tmp_path / "rt"))  # the daemon `warmspec lsp` starts is the test's own
+    try:
+        proc = subprocess.run([tool("node"), "--test", "--test-reporter=tap", "out/test/"], cwd=EXT, env=env,
+                              capture_output=True, text=True, timeout=300)
+    finally:  # it outlives the session
+        subprocess.run([sys.executable, "-m", "warmspec", "stop"], env=env, capture_output=True, timeout=60)
     out = proc.stdout + proc.stderr
     counts = dict(re.findall(r"^# (pass|fail) (\d+)$", out, re.M))
     assert proc.returncode == 0 and counts.get("fail") == "0", out[-6000:]

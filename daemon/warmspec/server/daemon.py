@@ -331,14 +331,22 @@ def wait_until_ready(paths: RuntimePaths, proc: subprocess.Popen, log_offset: in
         except OSError:
             pass
         if proc.poll() is not None and running_pid(paths) is None:
-            raise DaemonError(f"the daemon exited (status {proc.returncode}); from {paths.log}:\n"
-                              + "\n".join(_log_lines(paths.log, log_offset)[-8:]))
+            raise DaemonError(_start_failure(paths, proc.returncode, _log_lines(paths.log, log_offset)))
         if time.monotonic() > deadline:
             raise DaemonError(f"the daemon did not answer within {timeout:.0f} s; see {paths.log}")
         lines = _log_lines(paths.log, log_offset)
         if lines:
             progress(lines[-1].split(" INFO ", 1)[-1])
         time.sleep(0.1)
+
+
+def _start_failure(paths: RuntimePaths, status: int, lines: list[str]) -> str:
+    """Why a background daemon did not start: its own last error first (the one line an editor
+    shows), then the end of its log."""
+    said = [line.removeprefix("warmspec: ") for line in lines if line.startswith("warmspec: ")]
+    first = said[-1] if said else f"the daemon exited (status {status})"
+    return (f"{first}\n(the daemon did not start: status {status}; from {paths.log}:)\n"
+            + "\n".join(lines[-8:]))
 
 
 def _log_lines(path: Path, offset: int) -> list[str]:
