@@ -114,7 +114,7 @@ def test_serve_refuses_a_public_address_without_an_api_key(env):
 
 def test_serve_over_tcp_and_http_with_an_api_key(env, tmp_path):
     """``--rpc-port`` serves the same JSON-RPC over TCP, ``--port`` the HTTP API; both want the key,
-    and so does the socket."""
+    and so does the socket -- which ``warmspec lsp`` presents for its editor."""
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "warmspec", "serve", "--no-speculate", "--rpc-port", "0",
@@ -139,6 +139,18 @@ def test_serve_over_tcp_and_http_with_an_api_key(env, tmp_path):
         request = urllib.request.Request(f"{http}/v1/models", headers={"Authorization": "Bearer k3y"})
         with urllib.request.urlopen(request, timeout=30) as response:
             assert b"SmolLM2-135M-Instruct" in response.read()
+        # warmspec lsp gives the daemon $WARMSPEC_API_KEY for an editor that sends no key.
+        keyless = subprocess.run(lsp_process(), env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                                 capture_output=True, text=True, timeout=120)
+        assert keyless.returncode == 1 and "set WARMSPEC_API_KEY" in keyless.stderr, keyless.stderr
+
+        async def editor_with_key():
+            editor = await open_editor(dict(env, WARMSPEC_API_KEY="k3y"), tmp_path, folders=False, cwd=tmp_path)
+            models = await editor.protocol.send_request_async("warmspec/models", None)
+            return models, await close_editor(editor)
+
+        models, code = asyncio.run(editor_with_key())
+        assert models.models[0].id == "SmolLM2-135M-Instruct" and code == 0
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

@@ -25,6 +25,8 @@ import threading
 
 import msgspec
 
+from warmspec_protocol.rpc import ErrorCode
+
 from .client import Client, RpcError
 from .connect import check_model, connect_daemon
 from .server.daemon import DaemonError, RuntimePaths, claim_stdout, default_lsp_roots
@@ -153,13 +155,25 @@ class Relay:
 
     def _to_daemon(self) -> None:
         try:
-            while data := os.read(self.stdin_fd, CHUNK):
+            for data in self._editor_input():
                 self.sock.sendall(self.stream.feed(data))
             self.editor_done.set()
             self.sock.sendall(self.stream.rest())
             self.sock.shutdown(socket.SHUT_WR)  # the daemon reads the end of input and hangs up
         except OSError as e:  # the daemon went away: _to_editor sees its end of the stream too
             log.debug("relay to the daemon ended: %s", e)
+
+    def _editor_input(self):
+        """Chunks of stdin until its end (or a read error, which ends the editor's input too)."""
+        while True:
+            try:
+                data = os.read(self.stdin_fd, CHUNK)
+            except OSError as e:
+                log.warning("reading the editor's input failed: %s", e)
+                return
+            if not data:
+                return
+            yield data
 
     def _to_editor(self) -> None:
         while True:
@@ -198,7 +212,8 @@ def cmd_lsp(args: argparse.Namespace) -> int:
             with Client(_connect(paths)) as client:
                 client.initialize(api_key=api_key, name="warmspec-lsp", roots=roots)
     except RpcError as e:
-        raise DaemonError(f"the daemon refused: {e.message}") from None
+        hint = " (set WARMSPEC_API_KEY)" if e.code == ErrorCode.UNAUTHORIZED else ""
+        raise DaemonError(f"the daemon refused: {e.message}{hint}") from None
     except ConnectionError as e:
         raise DaemonError(f"lost the daemon at {paths.socket}: {e}") from None
     log.info("relaying to the daemon at %s", paths.socket)
