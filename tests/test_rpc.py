@@ -32,12 +32,13 @@ FAST_COSTS = CostTable({0: {1: 1.0, 2: 1.1, 33: 2.0}})  # skips the verify-cost 
 class InProcessDaemon:
     """``RpcService`` on a background event loop: a Unix socket and a TCP port, as ``serve`` has."""
 
-    def __init__(self, lm, tmp: Path, *, api_key: str | None = None, limits: Limits | None = None):
+    def __init__(self, lm, tmp: Path, *, api_key: str | None = None, limits: Limits | None = None,
+                 workspace: bool = True):
         self.root = tmp / "ws"
         self.root.mkdir()
         self.api_key = api_key
-        self.app = App(lm, Engine(lm, costs=FAST_COSTS), workspace_roots=[self.root], api_key=api_key,
-                       limits=limits)
+        self.app = App(lm, Engine(lm, costs=FAST_COSTS), workspace_roots=[self.root] if workspace else [],
+                       api_key=api_key, limits=limits)
         self.app.start()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -295,9 +296,10 @@ def test_did_read_refuses_paths_outside_the_workspace(daemon, tmp_path):
 
 def test_roots_named_in_initialize_are_added_for_local_clients_only(default_lm, tmp_path):
     """A client on the Unix socket (the daemon's user) may add its project to the workspace roots
-    through ``workspaceFolders``; a TCP client naming one changes nothing; and the home directory
-    and / are never added. A daemon of its own: the module's keeps a single root."""
-    d = InProcessDaemon(default_lm, tmp_path)
+    through ``workspaceFolders``, and read from it right away; a TCP client naming one changes
+    nothing; and the home directory and / are never added. A daemon of its own, started without
+    roots: the module's keeps its single root."""
+    d = InProcessDaemon(default_lm, tmp_path, workspace=False)
     try:
         remote = tmp_path / "remote"
         local = tmp_path / "project"
@@ -312,6 +314,7 @@ def test_roots_named_in_initialize_are_added_for_local_clients_only(default_lm, 
             c.initialize(roots=[remote, Path.home(), Path("/")])
             with pytest.raises(RpcError) as refused:
                 read(c, remote)
+        assert "no workspace roots" in refused.value.message
         with Client.unix(d.socket) as c:
             c.initialize(roots=[local, Path.home(), Path("/")])
             indexed = read(c, local)
@@ -322,7 +325,7 @@ def test_roots_named_in_initialize_are_added_for_local_clients_only(default_lm, 
         d.close()
     assert refused.value.code == still_refused.value.code == ErrorCode.PATH_REFUSED
     assert indexed.path == str((local / "main.py").resolve())
-    assert status.workspace_roots == [str(d.root.resolve()), str(local.resolve())]
+    assert status.workspace_roots == [str(local.resolve())]
 
 
 # -- warmspec's client over the socket -----------------------------------------------------------------

@@ -143,7 +143,6 @@ class Connection(LanguageServer):
         self.service = service
         self.app = service.app
         self.name = name
-        self.transport = transport
         self.local = transport in ("stdio", "unix")
         self.authorized = transport == "stdio" or service.app.api_key is None
         self.initialized = False
@@ -624,17 +623,21 @@ class RpcService:
 
     async def did_read(self, params: wire.DidReadParams) -> wire.DidReadResult:
         ws = self.app.workspace
-        if not ws.roots:
-            raise RpcError(ErrorCode.PATH_REFUSED, "this daemon has no workspace roots (start it with "
-                           "--workspace DIR, or name the project in initialize's workspaceFolders)")
         loop = asyncio.get_running_loop()
         try:
-            path = await loop.run_in_executor(self._indexer, ws.did_read, params.path, params.text,
-                                              params.conversation)
+            path = await loop.run_in_executor(self._indexer, self._did_read, params)
         except WorkspaceError as e:
             raise RpcError(ErrorCode.PATH_REFUSED, str(e)) from None
         log.info("indexed %s (%d files in the workspace index)", path, len(ws.files))
         return wire.DidReadResult(path=str(path), workspace_files=len(ws.files))
+
+    def _did_read(self, params: wire.DidReadParams) -> Path:
+        """On the indexer thread, so after the roots a client named in ``initialize``."""
+        ws = self.app.workspace
+        if not ws.roots:
+            raise WorkspaceError("this daemon has no workspace roots (start it with --workspace DIR, "
+                                 "or name the project in initialize's workspaceFolders)")
+        return ws.did_read(params.path, params.text, params.conversation)
 
 
 def _log_failure(future: Future) -> None:
