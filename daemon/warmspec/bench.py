@@ -625,9 +625,12 @@ def report(res: BenchResults) -> str:
     return "\n".join(lines) + "\n"
 
 
+COPY_AXIS = f"copy fraction\n(share of the output in {COPY_SPAN}-token spans seen before: prompt, files read, earlier output)"
+
+
 def plot(res: BenchResults, path: Path) -> None:
-    """Per-case speedup against copy fraction, one colour per input file; projected speedups of
-    the replays beside it, one marker per variant."""
+    """Measured per-case speedup against copy fraction, one colour per input file; beside it the
+    replays' projected speedups, one colour per variant and one marker per input file."""
     try:
         import matplotlib
     except ImportError:
@@ -637,47 +640,46 @@ def plot(res: BenchResults, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colour = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(res.inputs)}
-    fig, axes = plt.subplots(1, 2 if res.replays else 1, figsize=(13 if res.replays else 7, 5.5),
+    panels = [p for p, present in ((_plot_measured, any(r.mode != "plain" for r in res.cases)),
+                                   (_plot_replays, bool(res.replays))) if present]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(6.5 * max(len(panels), 1) + 0.5, 5.5),
                              squeeze=False)
-    ax = axes[0][0]
-    plain = {_key(r): r for r in res.cases if r.mode == "plain"}
-    measured = False
-    for f in res.inputs:
-        pts = [(r.copy_fraction, case_speedup(r, plain[_key(r)])) for r in res.cases
-               if r.file == f and r.mode != "plain" and _key(r) in plain]
-        if pts:
-            ax.scatter(*zip(*pts), color=colour[f], label=f"{f} ({len(pts)})", alpha=0.8)
-            measured = True
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel=f"copy fraction (share of plain output in {COPY_SPAN}-token spans seen before:"
-                  " prompt, files read, earlier output)", ylabel="measured decode speedup, ngram vs plain (x)",
-           title="measured on this machine", xlim=(-0.03, 1.03))
-    if measured:
-        ax.legend(loc="upper left", fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no ngram and plain runs", ha="center", transform=ax.transAxes)
-    if res.replays:
-        ax = axes[0][1]
-        markers = dict(zip(VARIANTS, "os^"))
-        for f in res.inputs:
-            for v in VARIANTS:
-                pts = [(r.copy_fraction, r.projected_speedup) for r in res.replays
-                       if r.file == f and r.variant == v]
-                if pts:
-                    ax.scatter(*zip(*pts), color=colour[f], marker=markers[v], alpha=0.8,
-                               label=f"{f}: {v} ({len(pts)})")
+    for draw, ax in zip(panels, axes[0]):
+        draw(ax, res, plt.get_cmap("tab10"))
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel=f"copy fraction (share of reference in {COPY_SPAN}-token spans seen before:"
-                      " prompt, files read, earlier output)", ylabel="projected decode speedup (x)",
-               title=f"replayed, priced with the {res.replay_costs} cost table", xlim=(-0.03, 1.03))
-        ax.legend(loc="upper left", fontsize=8)
+        ax.set_xlabel(COPY_AXIS, fontsize=9)
+        ax.legend(loc="best", fontsize=8)
+        ax.grid(alpha=0.3)
+    if not panels:
+        axes[0][0].text(0.5, 0.5, "nothing to plot: no ngram runs, no replays", ha="center")
     m = res.machine
     fig.suptitle(f"warmspec n-gram speculation vs plain greedy decoding: {res.model}\n"
                  f"{m.cpu}, {m.cores} cores, {m.device}, {m.blas.split(' (')[0]}, MLX {m.mlx}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_measured(ax, res: BenchResults, cmap) -> None:
+    plain = {_key(r): r for r in res.cases if r.mode == "plain"}
+    for i, f in enumerate(res.inputs):
+        pts = [(r.copy_fraction, case_speedup(r, plain[_key(r)])) for r in res.cases
+               if r.file == f and r.mode != "plain" and _key(r) in plain]
+        if pts:
+            ax.scatter(*zip(*pts), color=cmap(i % 10), label=f"{f} ({len(pts)} cases)", alpha=0.8)
+    ax.set(ylabel="measured decode speedup, ngram vs plain (x)", title="measured on this machine")
+
+
+def _plot_replays(ax, res: BenchResults, cmap) -> None:
+    for i, f in enumerate(res.inputs):
+        for j, v in enumerate(VARIANTS):
+            pts = [(r.copy_fraction, r.projected_speedup) for r in res.replays
+                   if r.file == f and r.variant == v]
+            if pts:
+                ax.scatter(*zip(*pts), color=cmap(j), marker="os^Dv<>"[i % 7], alpha=0.7,
+                           label=f"{v}: {f} ({len(pts)})")
+    ax.set(ylabel="projected decode speedup (x)",
+           title=f"replayed, passes priced with the {Path(res.replay_costs).name} cost table")
 
 
 def print_summary(res: BenchResults, file=sys.stdout) -> None:
