@@ -57,7 +57,8 @@ ASK = ("Change request:\nRename cache_dir to user_cache_dir.\n\nOutput the compl
 # The default model answers this with the sentence, then end-of-sequence right after drafts that
 # were accepted: the pass's drafted tokens must not be lost with the end-of-sequence token.
 ECHO = "Say exactly this and nothing else: Hello world, this is a test."
-EDIT = f"You are editing the file `paths.py`.\n\nHere is the current content of the file:\n\n```python\n{SRC}```\n\n{ASK}"
+EDIT = ("You are editing the file `paths.py`.\n\nHere is the current content of the file:\n\n"
+        f"```python\n{SRC}```\n\n{ASK}")
 REFERENCE = "```python\n" + SRC.replace("cache_dir", "user_cache_dir") + "```"
 
 

@@ -564,13 +564,13 @@ def report(res: BenchResults) -> str:
     m = res.machine
     lines = [
         f"# warmspec bench: {res.model}", "",
-        f"- machine: {m.cpu}, {m.cores} cores, {m.os}; {m.device}, {m.blas}; MLX {m.mlx}, "
-        f"mlx-lm {m.mlx_lm}, Python {m.python}; load average {m.load_avg:.2f} at start",
-        f"- inputs: {', '.join(res.inputs)}; modes {', '.join(res.modes) or 'none'} alternating per "
-        f"case, greedy, repeat {res.repeat} (medians); max draft {res.max_draft}",
-        "- speedup: plain decode tok/s against the mode's on the same cases; identical: token ids "
-        "equal plain's; load: the 1-minute load average after the case (above the core count, "
-        "other processes competed for the CPU and timings are noisy)", "",
+        (f"- machine: {m.cpu}, {m.cores} cores, {m.os}; {m.device}, {m.blas}; MLX {m.mlx}, "
+         f"mlx-lm {m.mlx_lm}, Python {m.python}; load average {m.load_avg:.2f} at start"),
+        (f"- inputs: {', '.join(res.inputs)}; modes {', '.join(res.modes) or 'none'} alternating "
+         f"per case, greedy, repeat {res.repeat} (medians); max draft {res.max_draft}"),
+        ("- speedup: plain decode tok/s against the mode's on the same cases; identical: token "
+         "ids equal plain's; load: the 1-minute load average after the case (above the core "
+         "count, other processes competed for the CPU and timings are noisy)"), "",
         "## Per input file", "",
     ]
     summary_rows = []
@@ -590,13 +590,13 @@ def report(res: BenchResults) -> str:
                         [(f, p.turns_cold, p.turns_warm, f"{p.ttft_cold_s:.3f}", f"{p.ttft_warm_s:.3f}")
                          for f, p in prefix])
     if res.replays:
-        lines += ["", f"## Replay: drafting and gate against a known output, priced with the "
-                  f"{res.replay_costs} cost table", "",
-                  "prompt_only: drafts from the prompt and the output; in_prompt: the read files "
-                  "pasted into the prompt; workspace: every workspace file indexed, the read ones "
-                  "at conversation priority. The gate drafts by the cost table, so tokens/pass "
-                  "depends on it too: in_prompt's prompt is longer by the files, and where a wide "
-                  "pass costs more at a longer context (CPU) it drafts less there.", ""]
+        lines += ["", (f"## Replay: drafting and gate against a known output, priced with the "
+                       f"{res.replay_costs} cost table"), "",
+                  ("prompt_only: drafts from the prompt and the output; in_prompt: the read files "
+                   "pasted into the prompt; workspace: every workspace file indexed, the read ones "
+                   "at conversation priority. The gate drafts by the cost table, so tokens/pass "
+                   "depends on it too: in_prompt's prompt is longer by the files, and where a wide "
+                   "pass costs more at a longer context (CPU) it drafts less there."), ""]
         lines += _table(("file", "variant", "cases", "tokens", "tokens/pass", "acceptance",
                          "projected speedup"),
                         [(f, v, r.cases, r.tokens, f"{r.tokens_per_pass:.2f}", f"{r.acceptance:.0%}",
@@ -625,7 +625,8 @@ def report(res: BenchResults) -> str:
     return "\n".join(lines) + "\n"
 
 
-COPY_AXIS = f"copy fraction\n(share of the output in {COPY_SPAN}-token spans seen before: prompt, files read, earlier output)"
+COPY_AXIS = (f"copy fraction\n(share of the output in {COPY_SPAN}-token spans seen before: "
+             "prompt, files read, earlier output)")
 
 
 def plot(res: BenchResults, path: Path) -> None:
