@@ -172,14 +172,15 @@ def cmd_ask(args: argparse.Namespace) -> int:
             return 2
     if not args.in_process:
         return ask_daemon(args, err)
-    from .engine import Engine, EngineError, Finished
+    from .engine import Engine, EngineError, Finished, default_cost_cache
     from .model import ModelError, load
 
     with err.status(f"Loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}…"):
         try:
             t = time.perf_counter()
             lm = load(args.model)
-            engine = Engine(lm, speculate=not args.no_speculate, max_draft=args.max_draft)
+            engine = Engine(lm, speculate=not args.no_speculate, max_draft=args.max_draft,
+                            cost_cache=default_cost_cache(lm, args.max_draft))
             if engine.speculate:
                 engine.costs  # measure verify costs now, not in the middle of the answer
             load_s = time.perf_counter() - t

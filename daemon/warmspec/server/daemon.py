@@ -158,16 +158,17 @@ def running_pid(paths: RuntimePaths) -> int | None:
 
 def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None):
     """Load the model and start the scheduler; measure verify costs now, not during a request."""
-    from ..engine import Engine
+    from ..engine import Engine, default_cost_cache
     from ..model import load
     from .app import App
 
     log.info("loading %s", args.model or "the default model (SmolLM2-135M-Instruct)")
     t = time.perf_counter()
     lm = load(args.model)
-    engine = Engine(lm, speculate=not args.no_speculate, max_draft=args.max_draft)
+    engine = Engine(lm, speculate=not args.no_speculate, max_draft=args.max_draft,
+                    cost_cache=default_cost_cache(lm, args.max_draft))
     if engine.speculate:
-        log.info("measuring verify costs (a few seconds, once)")
+        log.info("verify costs: measured once per machine and model (a few seconds), then kept")
         engine.costs
     app = App(lm, engine, workspace_roots=roots, api_key=api_key)
     app.start()
