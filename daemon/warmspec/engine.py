@@ -290,14 +290,13 @@ class Engine:
                     run.finish_reason = "cancelled"
                     return
                 new = self._step(pending, run, drafter)
-                for i, t in enumerate(new):
-                    if t in eos:
-                        new = new[:i]
-                        run.finish_reason = "stop"
-                        run.budget = 0
-                        break
-                new = new[: run.budget]
-                run.budget -= len(new)
+                end = next((i for i, t in enumerate(new) if t in eos), None)
+                new = new[: run.budget if end is None else min(end, run.budget)]
+                if end is not None and end <= run.budget:
+                    run.finish_reason = "stop"
+                    run.budget = 0
+                else:
+                    run.budget -= len(new)
                 run.stats.completion_tokens += len(new)
                 run.stats.decode_s = time.perf_counter() - t0
                 if new:
