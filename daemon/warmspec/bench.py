@@ -724,6 +724,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
                    help="decode at most N tokens per case")
     p.add_argument("--max-draft", type=int, default=None, help="most tokens drafted per step")
+    p.add_argument("--weights", choices=("auto", "float32", "quantized"), default="auto",
+                   help="auto: float32 on a CPU (MLX's CPU quantized matmul is slower), as stored "
+                        "on a GPU; float32 makes greedy outputs comparable across devices")
     p.set_defaults(func=run)
 
 
@@ -742,7 +745,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warmspec bench: {e}", file=sys.stderr)
         return 2
     try:
-        lm = load(args.model)
+        lm = load(args.model, dequantize={"auto": None, "float32": True, "quantized": False}[args.weights])
     except ModelError as e:
         print(f"warmspec bench: {e}", file=sys.stderr)
         return 1

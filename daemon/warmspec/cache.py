@@ -134,7 +134,7 @@ def _clone_layer(c: Any) -> Any:
     return type(c).from_state(_copy(c.state))
 
 
-def _trimmable_kind(c: Any) -> bool:
+def trimmable_kind(c: Any) -> bool:
     """Attention caches that hold every position and can drop any suffix."""
     return not isinstance(c, (RotatingKVCache, ArraysCache)) and c.is_trimmable()
 
@@ -176,7 +176,7 @@ class CacheState:
         return total
 
     def _exact_layers(self) -> list[int]:
-        return [i for i, c in enumerate(layers(self.cache)) if not _trimmable_kind(c)]
+        return [i for i, c in enumerate(layers(self.cache)) if not trimmable_kind(c)]
 
     def checkpoint(self) -> None:
         """Remember the untrimmable layers' state at the current length."""

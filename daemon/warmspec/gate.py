@@ -53,10 +53,12 @@ class CostTable:
     def measure(cls, forward: Callable[[int, int], None], widths: list[int],
                 contexts: list[int], repeats: int = 2) -> "CostTable":
         """Time ``forward(P, context)`` -- one synchronized pass of P positions on a warm cache of
-        that many tokens, undone afterwards -- taking the median of ``repeats`` after a warm-up."""
+        that many tokens, undone afterwards -- taking the median of ``repeats`` after one warm-up
+        pass per width."""
         points: dict[int, dict[int, float]] = {}
         for c in contexts:
-            forward(widths[-1], c)
+            for p in widths:  # untimed: MLX CUDA compiles kernels per new shape (seconds each)
+                forward(p, c)
             row = {}
             for p in widths:
                 times = []
