@@ -29,3 +29,21 @@ def default_costs(default_lm):
 def chat_prompt(lm, text: str) -> list[int]:
     tok = lm.tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+# A small Python file for copy-heavy prompts: edits and echoes copy it.
+SAMPLE_FILE = '''import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Per-user model cache."""
+    if env := os.environ.get("WARMSPEC_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "warmspec"
+
+
+def default_model_path() -> Path:
+    return cache_dir() / "models" / "model.gguf"
+'''

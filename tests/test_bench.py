@@ -18,6 +18,8 @@ from warmspec.engine import MAX_DRAFT, Engine
 from warmspec.gate import CostTable
 from warmspec_protocol.bench import BenchResults
 
+from conftest import SAMPLE_FILE
+
 from conftest import chat_prompt
 
 # Verify-pass seconds measured on the 2-core development box (OpenBLAS, default model): wide
@@ -26,21 +28,7 @@ from conftest import chat_prompt
 CPU_COSTS = {64: {1: 0.110, 2: 0.128, 4: 0.168, 8: 0.188, 16: 0.208, 24: 0.256, 33: 0.294},
              1024: {1: 0.133, 2: 0.159, 4: 0.211, 8: 0.261, 16: 0.317, 24: 0.422, 33: 0.494}}
 
-SRC = '''import os
-from pathlib import Path
-
-
-def cache_dir() -> Path:
-    """Per-user model cache."""
-    if env := os.environ.get("WARMSPEC_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "warmspec"
-
-
-def default_model_path() -> Path:
-    return cache_dir() / "models" / "model.gguf"
-'''
+SRC = SAMPLE_FILE
 
 OTHER = '''import json
 from pathlib import Path

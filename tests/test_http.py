@@ -476,6 +476,12 @@ def test_health_and_metrics(server, default_lm):
     assert samples["warmspec_tokens_per_pass"] == pytest.approx(totals.tokens_per_pass, rel=1e-5)
     assert samples["warmspec_acceptance_ratio"] == pytest.approx(totals.acceptance, rel=1e-5, abs=1e-9)
     assert samples["warmspec_queue_depth"] == 0
+    prefix = server.app.engine.prefix_stats()
+    assert samples["warmspec_prefix_cache_hits_total"] == prefix.hits
+    assert samples["warmspec_prefix_cache_misses_total"] == prefix.misses
+    assert samples["warmspec_prefix_cache_hits_total"] + samples["warmspec_prefix_cache_misses_total"] >= 1
+    assert samples["warmspec_prefix_cache_tokens_reused_total"] == prefix.tokens_reused
+    assert "warmspec_workspace_files" in samples
     assert f'warmspec_model_info{{model="{default_lm.name}"' in text
 
 

@@ -6,40 +6,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from warmspec.drafting import Proposal
 from warmspec.engine import Engine, Finished, Run
+from warmspec.probes import ScriptedDrafter
 from warmspec.gate import CostTable
 from warmspec_protocol import GenerationStats, SamplingParams
 
 import tiny
-from conftest import chat_prompt
+from conftest import SAMPLE_FILE, chat_prompt
 
 # verify passes priced as nearly free, so the gate always drafts what it is offered
 CHEAP = CostTable({0: {1: 1.0, 2: 1.01, 32: 1.1}})
 
 
-class OracleDrafter:
+def OracleDrafter(prompt, reference, wrong_every=4, k=5):
     """Guesses the reference continuation, corrupting every ``wrong_every``-th guess, so that
     passes end in every possible way: all accepted, none, and partial prefixes."""
-
-    def __init__(self, prompt, reference, wrong_every=4, k=5, vocab=tiny.VOCAB):
-        self.text = list(prompt) + list(reference)
-        self.pos = len(prompt)
-        self.wrong_every = wrong_every
-        self.k = k
-        self.vocab = vocab
-        self.calls = 0
-
-    def extend(self, tokens):
-        self.pos += len(tokens)
-
-    def propose(self, k):
-        self.calls += 1
-        guess = self.text[self.pos : self.pos + min(k, self.k + self.calls % 3)]
-        if guess and self.calls % self.wrong_every == 0:
-            i = self.calls % len(guess)
-            guess[i] = (guess[i] + 1) % self.vocab
-        return Proposal(tokens=guess, match_len=64, source="oracle") if guess else None
+    return ScriptedDrafter(prompt, reference, wrong_every=wrong_every, k=k, vocab=tiny.VOCAB)
 
 
 def decode(lm, prompt, n, *, drafter=None, speculate=False, params=SamplingParams(), costs=None,
@@ -109,26 +91,9 @@ def test_ngram_self_drafting_exact(arch):
     assert stats.drafted > 0
 
 
-COPY_SRC = '''import os
-from pathlib import Path
-
-
-def cache_dir() -> Path:
-    """Per-user model cache."""
-    if env := os.environ.get("WARMSPEC_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "warmspec"
-
-
-def default_model_path() -> Path:
-    return cache_dir() / "models" / "model.gguf"
-'''
-
-
 def copy_prompt(lm):
     return chat_prompt(lm, f"You are editing the file `paths.py`.\n\nHere is the current content of "
-                       f"the file:\n\n```python\n{COPY_SRC}```\n\nChange request:\nRename cache_dir to "
+                       f"the file:\n\n```python\n{SAMPLE_FILE}```\n\nChange request:\nRename cache_dir to "
                        "user_cache_dir.\n\nOutput the complete updated file in one fenced code block "
                        "(```python ... ```) and nothing else: no explanation before or after it, and do "
                        "not omit or abbreviate any unchanged parts.")

@@ -11,10 +11,9 @@ import importlib
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
 from warmspec.model import LoadedModel
-from warmspec.tokenizer import Tokenizer, _byte_decoder
+from warmspec.tokenizer import byte_tokenizer
 
 VOCAB = 256
 
@@ -38,16 +37,6 @@ CONFIGS = {
         tie_word_embeddings=True, max_position_embeddings=4096,
         rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
-
-
-def byte_tokenizer() -> Tokenizer:
-    """256 byte tokens, no merges; token 0 ends a sequence only if a test says so."""
-    table = {b: c for c, b in _byte_decoder().items()}
-    pieces = [table[i] for i in range(VOCAB)]
-    backend = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    return Tokenizer(backend, token_bytes=[bytes([i]) for i in range(VOCAB)], special_ids=(),
-                     eos_ids=())
 
 
 def build(arch: str, seed: int = 0, scale: float = 4.0, vocab: int = VOCAB) -> LoadedModel:

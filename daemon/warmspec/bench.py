@@ -49,7 +49,7 @@ from warmspec_protocol.bench import (
     Summary,
 )
 
-from . import blas
+from . import blas, probes
 from .drafting import Source
 from .gate import CostTable
 from .workspace import Workspace, WorkspaceError
@@ -710,7 +710,7 @@ def add_parser(subparsers) -> None:
         "bench", help="measure speculative against plain decoding on prompt files",
         description="Run each case in every mode (alternating, greedy, one process) and write "
                     "DIR/results.json, DIR/report.md and DIR/speedup.png.")
-    p.add_argument("prompts", nargs="+", type=Path, metavar="PROMPTS.jsonl")
+    p.add_argument("prompts", nargs="*", type=Path, metavar="PROMPTS.jsonl")
     p.add_argument("--out", type=Path, required=True, metavar="DIR")
     p.add_argument("--model", "-m", default=None, help="model to load (default: the embedded one)")
     p.add_argument("--modes", default=",".join(MODES),
@@ -727,6 +727,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--weights", choices=("auto", "float32", "quantized"), default="auto",
                    help="auto: float32 on a CPU (MLX's CPU quantized matmul is slower), as stored "
                         "on a GPU; float32 makes greedy outputs comparable across devices")
+    p.add_argument("--probe", action="append", default=[], choices=probes.PROBES,
+                   help="also measure: blas (decode on OpenBLAS vs MLX's bundled BLAS), rollback "
+                        "(hybrid per-position capture vs replay); writes DIR/probes.md")
     p.set_defaults(func=run)
 
 
@@ -734,6 +737,9 @@ def run(args: argparse.Namespace) -> int:
     from .model import ModelError, load
 
     modes = [m for m in args.modes.split(",") if m]
+    if not args.prompts and not args.probe:
+        print("warmspec bench: give PROMPTS.jsonl files, --probe, or both", file=sys.stderr)
+        return 2
     if any(m not in MODES for m in modes) or len(set(modes)) != len(modes) or args.repeat < 1:
         print(f"warmspec bench: --modes takes distinct modes among {','.join(MODES)}; "
               "--repeat at least 1", file=sys.stderr)
@@ -749,6 +755,10 @@ def run(args: argparse.Namespace) -> int:
     except ModelError as e:
         print(f"warmspec bench: {e}", file=sys.stderr)
         return 1
+    if args.probe:
+        print(probes.run(args.probe, args.out, lm, args.model))
+    if not args.prompts:
+        return 0
     results = bench(lm, args.prompts, args.out, modes=modes, repeat=args.repeat, limit=args.limit,
                     max_tokens_cap=args.max_tokens_cap, replay_outputs=args.replay,
                     max_draft=args.max_draft, replay_costs=replay_costs,

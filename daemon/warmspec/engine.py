@@ -242,8 +242,8 @@ class Engine:
 
     def _add_totals(self, s: GenerationStats) -> None:
         t = self.totals
-        for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "drafted",
-                  "accepted", "gated_steps"):
+        for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "draft_passes",
+                  "drafted", "accepted", "gated_steps"):
             setattr(t, f, getattr(t, f) + getattr(s, f))
         t.prefill_s += s.prefill_s
         t.decode_s += s.decode_s
@@ -439,6 +439,7 @@ class Engine:
                 run.stats.passes += 1
                 self.replays += 1
             self.gate.observe(match_len, len(drafts), n)
+            run.stats.draft_passes += 1
             run.stats.drafted += len(drafts)
             run.stats.accepted += n
         self.live.tokens.extend(inputs[: n + 1])

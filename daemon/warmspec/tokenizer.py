@@ -240,6 +240,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def byte_tokenizer(size: int = 256) -> Tokenizer:
+    """One token per byte, no merges, no special tokens: for random-weight models in tests and
+    probes, where text round-trips exactly (``encode(s) == list(s.encode())``)."""
+    table = {b: c for c, b in _byte_decoder().items()}
+    pieces = [table[i] for i in range(size)]
+    backend = _HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return Tokenizer(backend, token_bytes=[bytes([i]) for i in range(size)], special_ids=(), eos_ids=())
+
+
 class StreamingDetokenizer:
     """Token ids in, text out, never splitting a UTF-8 character across two pieces."""
 

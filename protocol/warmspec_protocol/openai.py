@@ -411,29 +411,31 @@ class Response(Struct, kw_only=True):
 # -- Responses API: stream events (each an SSE ``event:`` named by its ``type``) -------------------
 
 
-class ResponseCreated(Struct, kw_only=True, tag="response.created", tag_field="type"):
+class ResponseLifecycle(Struct, kw_only=True, tag_field="type"):
+    """The events that carry the whole response; each subclass is one ``type``."""
+
     response: Response
     sequence_number: int
 
 
-class ResponseInProgress(Struct, kw_only=True, tag="response.in_progress", tag_field="type"):
-    response: Response
-    sequence_number: int
+class ResponseCreated(ResponseLifecycle, tag="response.created"):
+    pass
 
 
-class ResponseCompleted(Struct, kw_only=True, tag="response.completed", tag_field="type"):
-    response: Response
-    sequence_number: int
+class ResponseInProgress(ResponseLifecycle, tag="response.in_progress"):
+    pass
 
 
-class ResponseIncomplete(Struct, kw_only=True, tag="response.incomplete", tag_field="type"):
-    response: Response
-    sequence_number: int
+class ResponseCompleted(ResponseLifecycle, tag="response.completed"):
+    pass
 
 
-class ResponseFailed(Struct, kw_only=True, tag="response.failed", tag_field="type"):
-    response: Response
-    sequence_number: int
+class ResponseIncomplete(ResponseLifecycle, tag="response.incomplete"):
+    pass
+
+
+class ResponseFailed(ResponseLifecycle, tag="response.failed"):
+    pass
 
 
 class OutputItemAdded(Struct, kw_only=True, tag="response.output_item.added", tag_field="type"):

@@ -61,9 +61,10 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
     prefill_s: float = 0.0
     decode_s: float = 0.0
     passes: int = 0
+    draft_passes: int = 0  # passes that verified at least one drafted token
     drafted: int = 0
     accepted: int = 0
-    gated_steps: int = 0
+    gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
 
     @property
     def tokens_per_pass(self) -> float:
@@ -72,6 +73,10 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_draft_length(self) -> float:
+        return self.drafted / self.draft_passes if self.draft_passes else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -88,7 +93,10 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
         if self.passes:
             line += f", {self.passes} passes ({self.tokens_per_pass:.2f} tok/pass)"
         if self.drafted:
-            line += f", acceptance {self.acceptance:.0%} of {self.drafted} drafted"
+            line += (f", acceptance {self.acceptance:.0%} of {self.drafted} drafted"
+                     f" (mean draft {self.mean_draft_length:.1f})")
+        if self.gated_steps:
+            line += f", {self.gated_steps} guesses gated off"
         return line
 
 

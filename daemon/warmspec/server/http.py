@@ -934,6 +934,17 @@ class Context:
                [("", t.tokens_per_pass)])
         metric("prefill_seconds_total", "counter", "Time spent in prefill.", [("", t.prefill_s)])
         metric("decode_seconds_total", "counter", "Time spent decoding.", [("", t.decode_s)])
+        pc = st.prefix_cache
+        metric("prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.", [("", pc.hits)])
+        metric("prefix_cache_misses_total", "counter", "Requests prefilled from scratch.", [("", pc.misses)])
+        metric("prefix_cache_tokens_reused_total", "counter", "Prompt tokens not prefilled again.",
+               [("", pc.tokens_reused)])
+        metric("prefix_cache_bytes", "gauge", "Memory held by parked caches.", [("", pc.bytes)])
+        metric("prefix_cache_entries", "gauge", "Parked caches.", [("", pc.entries)])
+        metric("prefix_cache_evictions_total", "counter", "Parked caches dropped for the budget.",
+               [("", pc.evictions)])
+        metric("workspace_files", "gauge", "Files indexed as n-gram sources.", [("", st.workspace_files)])
+        metric("workspace_bytes", "gauge", "Memory of the workspace index.", [("", st.workspace_bytes)])
         metric("uptime_seconds", "gauge", "Seconds since the daemon started.", [("", st.uptime_s)])
         metric("model_info", "gauge", "The served model.",
                [(f'{{model="{_label(st.model.id)}",device="{_label(st.model.device)}"}}', 1)])
