@@ -20,13 +20,16 @@ from typing import Callable, Iterator
 
 import anthropic
 import openai
+import msgspec
 import pytest
 
 from warmspec.engine import Delta, Engine, EngineError, Finished
 from warmspec.gate import CostTable
 from warmspec.model import LoadedModel
 from warmspec.server.app import App, Limits
-from warmspec.server.http import CTX, ToolCallSplitter, parse_tool_calls, start_http, tool_format
+from warmspec.server.http import CTX, start_http
+from warmspec_protocol import Message
+from warmspec.server.tools import ToolCallSplitter, parse_tool_calls, tool_format
 from warmspec.tokenizer import Tokenizer
 from warmspec_protocol import GenerationStats
 
@@ -122,7 +125,7 @@ def chat(srv: Server, text: str, *, stream: bool = False, **kw) -> str:
 
 
 def prompt_tokens(srv: Server, messages: list[dict]) -> int:
-    return len(srv.app.chat_prompt(messages))
+    return len(srv.app.chat_prompt(msgspec.convert(messages, list[Message])))
 
 
 # -- the SDKs, endpoint by endpoint -----------------------------------------------------------------

@@ -440,7 +440,7 @@ def test_time_to_first_token_overhead(daemon, capsys):
     same job in process."""
     params = chat("Say hello.", 1)
     app = daemon.app
-    prompt = app.chat_prompt([{"role": "user", "content": "Say hello."}])
+    prompt = app.chat_prompt([wire.Message(role="user", content="Say hello.")])
     paired, socket_ttft, in_process = [], [], []
 
     async def first_token_in_process() -> float:

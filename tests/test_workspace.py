@@ -175,14 +175,16 @@ def test_drafter_finds_the_read_file_among_many(tree):
 
 def test_tool_calls_index_the_files_they_read(tree):
     """An agent's read_file tool call marks the file as read in that conversation."""
+    import msgspec
     import tiny
     from warmspec.engine import Engine
+    from warmspec_protocol import Message
     from warmspec.gate import CostTable
     from warmspec.server.app import App
 
     lm = tiny.build("llama")
     app = App(lm, Engine(lm, costs=CostTable({0: {1: 1.0}})), workspace_roots=[tree])
-    messages = [
+    messages = msgspec.convert([
         {"role": "user", "content": "Double the helper."},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function",
@@ -191,9 +193,9 @@ def test_tool_calls_index_the_files_they_read(tree):
              "function": {"name": "read_file", "arguments": {"file_path": "../secret.txt"}}},
         ]},
         {"role": "tool", "tool_call_id": "c1", "content": "1: def helper(x):\n2:     return x * 2\n"},
-    ]
+    ], list[Message])
     conv = app.conversation_of(messages)
-    assert conv == app.conversation_of(messages + [{"role": "user", "content": "more"}])
+    assert conv == app.conversation_of(messages + [Message(role="user", content="more")])
     assert app.note_tool_reads(messages, conv) == 1  # the escaping path is refused
     assert [p.name for p in app.workspace.files] == ["util.py"]
     (index, priority), = app.workspace.sources(conv)

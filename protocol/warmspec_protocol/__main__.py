@@ -6,6 +6,7 @@ The schema is generated, never edited, so it cannot drift from the types the dae
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -21,8 +22,18 @@ def _ref(t: type | None) -> dict | None:
     return None if t is None else {"$ref": f"#/$defs/{t.__name__}"}
 
 
+def _clean_docs(defs: dict) -> dict:
+    """msgspec 0.22 dedents docstrings and 0.23 does not: clean them here so the file is the same
+    whichever version generated it (CI once failed on exactly that)."""
+    for d in defs.values():
+        if "description" in d:
+            d["description"] = inspect.cleandoc(d["description"])
+    return defs
+
+
 def schema() -> dict:
     _, defs = msgspec.json.schema_components(rpc.SCHEMA_TYPES, ref_template="#/$defs/{name}")
+    defs = _clean_docs(defs)
     methods = {}
     for m in rpc.METHODS.values():
         kinds = [k for k, on in (("request", m.request), ("notification", m.notification)) if on]

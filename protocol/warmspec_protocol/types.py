@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
 __all__ = [
     "SamplingParams",
+    "FunctionCall",
+    "ToolCall",
     "Message",
     "GenerationStats",
     "FinishReason",
@@ -40,12 +42,29 @@ class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
         return self.temperature == 0.0
 
 
-class Message(Struct, kw_only=True):
-    """One chat turn. ``content`` is plain text."""
+class FunctionCall(Struct, kw_only=True):
+    """A function an assistant turn called; ``arguments`` as chat templates expect (they ``tojson``
+    a dict), or the raw text when it was not JSON."""
+
+    name: str
+    arguments: Any
+
+
+class ToolCall(Struct, kw_only=True, omit_defaults=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class Message(Struct, kw_only=True, omit_defaults=True):
+    """One chat turn, as chat templates read it: plain-text ``content``; an assistant turn may
+    carry ``tool_calls``, a ``tool`` turn answers one by ``tool_call_id``."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class GenerationStats(Struct, kw_only=True, omit_defaults=False):

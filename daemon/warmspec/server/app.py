@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from warmspec_protocol import ModelInfo, SamplingParams, Status
+from warmspec_protocol import Message, ModelInfo, SamplingParams, Status
 
 from .. import blas
 from ..engine import Engine, EngineError
@@ -59,28 +59,29 @@ class App:
 
     # -- requests -> jobs -------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a chat rendered by the model's template, ready for the assistant's turn."""
+    def chat_prompt(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat rendered by the model's template, ready for the assistant's turn.
+        (Templates are jinja and read plain dicts: the one conversion happens here.)"""
         if not messages:
             raise EngineError("messages must not be empty")
         tok = self.lm.tokenizer
-        return tok.encode(tok.apply_chat_template(list(messages), tools=tools))
+        return tok.encode(tok.apply_chat_template([msgspec.to_builtins(m) for m in messages], tools=tools))
 
     @staticmethod
-    def conversation_of(messages: Sequence[dict[str, Any]]) -> str:
+    def conversation_of(messages: Sequence[Message]) -> str:
         """A stable id for a chat: agents resend the whole conversation every turn, and its
         opening (the system prompt and first user message) stays the same while it grows."""
-        head = [[m.get("role"), m.get("content")] for m in messages[:2]]
+        head = [[m.role, m.content] for m in messages[:2]]
         return hashlib.sha256(json.dumps(head).encode()).hexdigest()[:16]
 
-    def note_tool_reads(self, messages: Sequence[dict[str, Any]], conversation: str) -> int:
+    def note_tool_reads(self, messages: Sequence[Message], conversation: str) -> int:
         """Index the workspace files that the chat's tool calls name (``path``, ``file_path``, ...):
         an agent reads a file through a tool and then writes its new version, copying most of it.
         The file is read from disk, not from the tool result, which may be numbered or cut."""
         seen = 0
         for m in messages:
-            for call in m.get("tool_calls") or []:
-                args = (call.get("function") or {}).get("arguments")
+            for call in m.tool_calls or []:
+                args = call.function.arguments
                 if isinstance(args, str):
                     try:
                         args = json.loads(args)

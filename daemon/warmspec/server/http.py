@@ -7,8 +7,9 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``/v1/completions``, 
 Every generation endpoint turns its request into one ``Job`` and hands it to ``_serve``, the single
 mechanism that waits on the ticket, streams or collects, sends keep-alives, parses tool calls and
 cancels the job when the client goes away. What differs per API is only the formatting, in a
-``Dialect``: the events it streams and the body it returns. Sampling options and token limits are
-per job, so changing them between requests never reloads anything.
+``Dialect`` (``dialects.py``): the events it streams and the body it returns; tool calls are
+parsed by ``tools.py``. Sampling options and token limits are per job, so changing them between
+requests never reloads anything.
 
 Errors come back in the caller's API format (OpenAI's ``{"error": {...}}``, or Anthropic's
 ``{"type": "error", ...}`` under ``/v1/messages``): 400 for malformed or invalid requests, 401 without
@@ -21,24 +22,26 @@ import asyncio
 import hmac
 import logging
 import re
-import secrets
 import time
 from collections import Counter
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 import msgspec
 from aiohttp import web
 
-from warmspec_protocol import GenerationStats
+from warmspec_protocol import FunctionCall, Message, ToolCall
 from warmspec_protocol import anthropic as ant
 from warmspec_protocol import openai as oai
 from warmspec_protocol.openai import SpeculationStats
 
 from ..engine import Delta, EngineError, Finished
-from ..tokenizer import Tokenizer, TokenizerError
+from ..tokenizer import TokenizerError
 from .app import App
+from .dialects import (ApiError, ChatDialect, CompletionDialect, Dialect, MessagesDialect, Outcome,
+                       ResponsesDialect, anthropic_error, openai_error)
 from .scheduler import Busy, Job, JobError, Ticket
+from .tools import ToolCallSplitter, tool_format
 
 log = logging.getLogger("warmspec.http")
 
@@ -55,123 +58,11 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 _encode = msgspec.json.encode
 
 
-class ApiError(Exception):
-    """A request that ends in an error reply; ``str()`` is the message the client reads."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
 class ClientGone(Exception):
     """The client closed its connection while its job was queued or running."""
 
 
-# -- tool calls -------------------------------------------------------------------------------------
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_BLOCK = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>\s*", re.S)
-_PROBE_TOOL = "warmspec_probe_tool"
-
-
-class HermesCall(msgspec.Struct):
-    """The JSON a Hermes/Qwen-style model writes inside ``<tool_call>`` ... ``</tool_call>``."""
-
-    name: str
-    arguments: dict[str, Any] = {}
-
-
-class ParsedCall(msgspec.Struct, kw_only=True):
-    id: str
-    name: str
-    arguments: str  # JSON text
-
-
-def tool_format(tokenizer: Tokenizer) -> Literal["hermes", "unparsed", "none"]:
-    """What the model's chat template does with ``tools``, found by rendering a probe tool.
-
-    "none": the template ignores tools (SmolLM2's), so the model never learns they exist.
-    "unparsed": it renders them, but asks for a call format other than ``<tool_call>`` blocks.
-    "hermes": it asks for ``<tool_call>{json}</tool_call>`` (Hermes, Qwen2.5, Qwen3), which
-    ``ToolCallSplitter`` parses into tool calls.
-    """
-    probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe)
-    except TokenizerError:
-        return "none"
-    if _PROBE_TOOL not in rendered:
-        return "none"
-    return "hermes" if TOOL_OPEN in rendered else "unparsed"
-
-
-def parse_tool_calls(text: str) -> list[ParsedCall] | None:
-    """The calls in ``text`` if it is nothing but well-formed ``<tool_call>`` blocks, else None."""
-    calls: list[ParsedCall] = []
-    pos = 0
-    while pos < len(text):
-        m = _TOOL_BLOCK.match(text, pos)
-        if m is None:
-            return None
-        try:
-            call = msgspec.json.decode(m.group(1), type=HermesCall)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
-        calls.append(ParsedCall(id=f"call_{secrets.token_hex(12)}", name=call.name,
-                                arguments=_encode(call.arguments).decode()))
-        pos = m.end()
-    return calls or None
-
-
-class ToolCallSplitter:
-    """Separates tool-call blocks from the text a model writes, as it streams.
-
-    Text before the first ``<tool_call>`` streams as usual (a tail that could be the start of the
-    tag is held back until it cannot be); from the tag on, everything is held and parsed when the
-    generation ends. Held text that is not a clean sequence of calls is returned as text, so the
-    model's output is never dropped.
-    """
-
-    def __init__(self) -> None:
-        self._pending = ""
-        self._held: str | None = None
-
-    def feed(self, text: str) -> str:
-        if self._held is not None:
-            self._held += text
-            return ""
-        buf = self._pending + text
-        i = buf.find(TOOL_OPEN)
-        if i >= 0:
-            self._held, self._pending = buf[i:], ""
-            return buf[:i]
-        keep = next((n for n in range(min(len(TOOL_OPEN) - 1, len(buf)), 0, -1)
-                     if buf.endswith(TOOL_OPEN[:n])), 0)
-        self._pending = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep]
-
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        """The text still to emit and the parsed calls."""
-        if self._held is None:
-            tail, self._pending = self._pending, ""
-            return tail, []
-        calls = parse_tool_calls(self._held)
-        return ("", calls) if calls else (self._held, [])
-
-
 # -- generation: one mechanism for every endpoint ---------------------------------------------------
-
-
-class Outcome(msgspec.Struct, kw_only=True):
-    """A finished generation as every dialect reports it."""
-
-    text: str
-    tool_calls: list[ParsedCall]
-    finish: Literal["stop", "length", "tool_calls"]
-    stop_sequence: str | None  # the stop string that ended it (None: end of sequence or length)
-    stats: GenerationStats
 
 
 def _gone(request: web.Request) -> bool:
@@ -281,314 +172,7 @@ async def _whole(dialect: Dialect, pieces: AsyncIterator[str | Outcome | None]) 
                         headers={"X-Warmspec-Stats": _encode(SpeculationStats.of(out.stats)).decode()})
 
 
-# -- dialects ---------------------------------------------------------------------------------------
-
-
-def _rid() -> str:
-    return secrets.token_hex(12)
-
-
-def _data(obj: msgspec.Struct) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
-
-
-def _event(obj: msgspec.Struct) -> bytes:
-    """An SSE event named by the object's ``type`` tag, as the Responses and Anthropic APIs send."""
-    return b"event: " + obj.__struct_config__.tag.encode() + b"\ndata: " + _encode(obj) + b"\n\n"
-
-
-def _openai_error(e: ApiError) -> oai.ErrorResponse:
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        e.status, "invalid_request_error" if e.status < 500 else "server_error")
-    code = {413: "request_too_large", 401: "invalid_api_key"}.get(e.status)
-    return oai.ErrorResponse(error=oai.ErrorDetail(message=str(e), type=kind, param=e.param, code=code))
-
-
-def _anthropic_error(e: ApiError) -> ant.ErrorResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
-            503: "overloaded_error"}.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
-    return ant.ErrorResponse(error=ant.ErrorDetail(type=kind, message=str(e)))
-
-
-def _function(call: ParsedCall) -> oai.FunctionCall:
-    return oai.FunctionCall(name=call.name, arguments=call.arguments)
-
-
-def _usage(s: GenerationStats) -> oai.Usage:
-    return oai.Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
-                     total_tokens=s.prompt_tokens + s.completion_tokens,
-                     prompt_tokens_details=oai.PromptTokensDetails(cached_tokens=s.cached_tokens))
-
-
-class Dialect:
-    """What one API streams and returns for a generation; formatting only."""
-
-    def __init__(self, model: str):
-        self.model = model
-        self.created = int(time.time())
-
-    def start(self) -> list[bytes]:
-        """Events sent as soon as the stream opens, before the first token."""
-        return []
-
-    def text(self, delta: str) -> list[bytes]:
-        raise NotImplementedError
-
-    def finish(self, out: Outcome) -> list[bytes]:
-        raise NotImplementedError
-
-    def failed(self, err: ApiError) -> list[bytes]:
-        """A failure after the stream opened. OpenAI's SDK raises on a ``data`` with ``error``."""
-        return [_data(_openai_error(err))]
-
-    def body(self, out: Outcome) -> msgspec.Struct:
-        raise NotImplementedError
-
-
-class ChatDialect(Dialect):
-    def __init__(self, model: str, include_usage: bool):
-        super().__init__(model)
-        self.id = f"chatcmpl-{_rid()}"
-        self.include_usage = include_usage
-
-    def _chunk(self, delta: oai.ChunkDelta, finish: oai.ChatFinish | None = None) -> bytes:
-        return _data(oai.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                             choices=[oai.ChunkChoice(delta=delta, finish_reason=finish)]))
-
-    def start(self) -> list[bytes]:
-        return [self._chunk(oai.ChunkDelta(role="assistant", content=""))]
-
-    def text(self, delta: str) -> list[bytes]:
-        return [self._chunk(oai.ChunkDelta(content=delta))]
-
-    def finish(self, out: Outcome) -> list[bytes]:
-        chunks = []
-        if out.tool_calls:
-            calls = [oai.ChunkToolCall(index=i, id=c.id, function=_function(c)) for i, c in enumerate(out.tool_calls)]
-            chunks.append(self._chunk(oai.ChunkDelta(tool_calls=calls)))
-        stats = SpeculationStats.of(out.stats)
-        last = oai.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                       choices=[oai.ChunkChoice(delta=oai.ChunkDelta(), finish_reason=out.finish)],
-                                       warmspec=None if self.include_usage else stats)
-        chunks.append(_data(last))
-        if self.include_usage:
-            chunks.append(_data(oai.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                                        choices=[], usage=_usage(out.stats), warmspec=stats)))
-        return chunks + [b"data: [DONE]\n\n"]
-
-    def body(self, out: Outcome) -> oai.ChatCompletion:
-        calls = [oai.ToolCall(id=c.id, function=_function(c)) for c in out.tool_calls] or None
-        message = oai.AssistantMessage(content=out.text if out.text or not calls else None, tool_calls=calls)
-        return oai.ChatCompletion(id=self.id, created=self.created, model=self.model,
-                                  choices=[oai.Choice(message=message, finish_reason=out.finish)],
-                                  usage=_usage(out.stats), warmspec=SpeculationStats.of(out.stats))
-
-
-class CompletionDialect(Dialect):
-    def __init__(self, model: str, include_usage: bool):
-        super().__init__(model)
-        self.id = f"cmpl-{_rid()}"
-        self.include_usage = include_usage
-
-    def _completion(self, text: str, finish: Literal["stop", "length"] | None, **extra: Any) -> oai.Completion:
-        return oai.Completion(id=self.id, created=self.created, model=self.model,
-                              choices=[oai.CompletionChoice(text=text, finish_reason=finish)], **extra)
-
-    def text(self, delta: str) -> list[bytes]:
-        return [_data(self._completion(delta, None))]
-
-    def finish(self, out: Outcome) -> list[bytes]:
-        stats = SpeculationStats.of(out.stats)
-        finish = "length" if out.finish == "length" else "stop"
-        chunks = [_data(self._completion("", finish, warmspec=None if self.include_usage else stats))]
-        if self.include_usage:
-            chunks.append(_data(oai.Completion(id=self.id, created=self.created, model=self.model, choices=[],
-                                               usage=_usage(out.stats), warmspec=stats)))
-        return chunks + [b"data: [DONE]\n\n"]
-
-    def body(self, out: Outcome) -> oai.Completion:
-        return self._completion(out.text, "length" if out.finish == "length" else "stop",
-                                usage=_usage(out.stats), warmspec=SpeculationStats.of(out.stats))
-
-
-class ResponsesDialect(Dialect):
-    """The Responses API: a message item with one output_text part, opened at the first text,
-    then one function_call item per tool call; every event numbered by ``sequence_number``."""
-
-    def __init__(self, model: str, req: oai.ResponsesRequest):
-        super().__init__(model)
-        rid = _rid()
-        self.id, self.msg_id = f"resp_{rid}", f"msg_{rid}"
-        self.req = req
-        self.seq = 0
-        self.opened = False
-
-    def _ev(self, cls: type, **fields: Any) -> bytes:
-        ev = cls(sequence_number=self.seq, **fields)
-        self.seq += 1
-        return _event(ev)
-
-    def _response(self, status: str, output: list[oai.OutputItem], out: Outcome | None = None,
-                  error: oai.ResponseError | None = None) -> oai.Response:
-        r = self.req
-        s = out.stats if out else None
-        usage = oai.ResponseUsage(
-            input_tokens=s.prompt_tokens, input_tokens_details=oai.InputTokensDetails(cached_tokens=s.cached_tokens),
-            output_tokens=s.completion_tokens, output_tokens_details=oai.OutputTokensDetails(),
-            total_tokens=s.prompt_tokens + s.completion_tokens) if s else None
-        incomplete = oai.IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
-        return oai.Response(
-            id=self.id, created_at=self.created, status=status, model=self.model, output=output, usage=usage,
-            error=error, incomplete_details=incomplete, instructions=r.instructions,
-            max_output_tokens=r.max_output_tokens, temperature=r.temperature, top_p=r.top_p, tools=r.tools or [],
-            metadata=r.metadata or {}, warmspec=SpeculationStats.of(s) if s else None)
-
-    def _message(self, status: oai.ItemStatus, text: str | None) -> oai.OutputMessage:
-        content = [] if text is None else [oai.OutputText(text=text)]
-        return oai.OutputMessage(id=self.msg_id, status=status, content=content)
-
-    @staticmethod
-    def _calls(out: Outcome) -> list[oai.FunctionCallItem]:
-        return [oai.FunctionCallItem(id=f"fc_{c.id}", call_id=c.id, name=c.name, arguments=c.arguments,
-                                     status="completed") for c in out.tool_calls]
-
-    def _output(self, out: Outcome) -> list[oai.OutputItem]:
-        status = "incomplete" if out.finish == "length" else "completed"
-        message = [self._message(status, out.text)] if out.text or not out.tool_calls else []
-        return message + self._calls(out)
-
-    def _open(self) -> list[bytes]:
-        if self.opened:
-            return []
-        self.opened = True
-        return [self._ev(oai.OutputItemAdded, output_index=0, item=self._message("in_progress", None)),
-                self._ev(oai.ContentPartAdded, item_id=self.msg_id, output_index=0, content_index=0,
-                         part=oai.OutputText(text=""))]
-
-    def start(self) -> list[bytes]:
-        r = self._response("in_progress", [])
-        return [self._ev(oai.ResponseCreated, response=r), self._ev(oai.ResponseInProgress, response=r)]
-
-    def text(self, delta: str) -> list[bytes]:
-        return self._open() + [self._ev(oai.OutputTextDelta, item_id=self.msg_id, output_index=0,
-                                        content_index=0, delta=delta)]
-
-    def finish(self, out: Outcome) -> list[bytes]:
-        output = self._output(out)
-        evs: list[bytes] = []
-        for index, item in enumerate(output):
-            where = dict(item_id=item.id, output_index=index)
-            if isinstance(item, oai.OutputMessage):
-                part = item.content[0]
-                evs += self._open() + [self._ev(oai.OutputTextDone, **where, content_index=0, text=part.text),
-                                       self._ev(oai.ContentPartDone, **where, content_index=0, part=part)]
-            else:
-                started = msgspec.structs.replace(item, arguments="", status="in_progress")
-                evs += [self._ev(oai.OutputItemAdded, output_index=index, item=started),
-                        self._ev(oai.FunctionCallArgumentsDelta, **where, delta=item.arguments),
-                        self._ev(oai.FunctionCallArgumentsDone, **where, name=item.name, arguments=item.arguments)]
-            evs.append(self._ev(oai.OutputItemDone, output_index=index, item=item))
-        final = self.body(out)
-        done = oai.ResponseIncomplete if final.status == "incomplete" else oai.ResponseCompleted
-        return evs + [self._ev(done, response=final)]
-
-    def failed(self, err: ApiError) -> list[bytes]:
-        code = "invalid_request" if err.status < 500 else "server_error"
-        return [self._ev(oai.ResponseFailed, response=self._response(
-            "failed", [], error=oai.ResponseError(code=code, message=str(err))))]
-
-    def body(self, out: Outcome) -> oai.Response:
-        status = "incomplete" if out.finish == "length" else "completed"
-        return self._response(status, self._output(out), out)
-
-
-class MessagesDialect(Dialect):
-    """Anthropic Messages: the text block (index 0) opens at the first text, then one tool_use
-    block per tool call. Usage follows Anthropic's convention: ``input_tokens`` excludes the
-    prompt tokens read from the cache (``cache_read_input_tokens``)."""
-
-    def __init__(self, model: str, prompt_tokens: int):
-        super().__init__(model)
-        self.id = f"msg_{_rid()}"
-        self.prompt_tokens = prompt_tokens
-        self.opened = False
-
-    @staticmethod
-    def _stop_reason(out: Outcome) -> ant.StopReason:
-        if out.finish == "tool_calls":
-            return "tool_use"
-        if out.finish == "length":
-            return "max_tokens"
-        return "stop_sequence" if out.stop_sequence is not None else "end_turn"
-
-    def _open(self) -> list[bytes]:
-        if self.opened:
-            return []
-        self.opened = True
-        return [_event(ant.ContentBlockStart(index=0, content_block=ant.TextBlock(text="")))]
-
-    def start(self) -> list[bytes]:
-        message = ant.Message(id=self.id, model=self.model, content=[],
-                              usage=ant.Usage(input_tokens=self.prompt_tokens, output_tokens=0))
-        return [_event(ant.MessageStart(message=message)), _event(ant.Ping())]
-
-    def text(self, delta: str) -> list[bytes]:
-        return self._open() + [_event(ant.ContentBlockDelta(index=0, delta=ant.TextDelta(text=delta)))]
-
-    def finish(self, out: Outcome) -> list[bytes]:
-        evs: list[bytes] = []
-        first = 0
-        if self.opened or not out.tool_calls:
-            evs += self._open() + [_event(ant.ContentBlockStop(index=0))]
-            first = 1
-        for i, c in enumerate(out.tool_calls, start=first):
-            block = ant.ToolUseBlock(id=c.id, name=c.name, input={})  # the input follows as JSON text
-            evs += [_event(ant.ContentBlockStart(index=i, content_block=block)),
-                    _event(ant.ContentBlockDelta(index=i, delta=ant.InputJsonDelta(partial_json=c.arguments))),
-                    _event(ant.ContentBlockStop(index=i))]
-        s = out.stats
-        usage = ant.DeltaUsage(output_tokens=s.completion_tokens, input_tokens=s.prompt_tokens - s.cached_tokens,
-                               cache_read_input_tokens=s.cached_tokens)
-        delta = ant.MessageDeltaBody(stop_reason=self._stop_reason(out), stop_sequence=out.stop_sequence)
-        return evs + [_event(ant.MessageDelta(delta=delta, usage=usage, warmspec=SpeculationStats.of(s))),
-                      _event(ant.MessageStop())]
-
-    def failed(self, err: ApiError) -> list[bytes]:
-        return [_event(_anthropic_error(err))]
-
-    def body(self, out: Outcome) -> ant.Message:
-        content: list[ant.ContentBlock] = [ant.TextBlock(text=out.text)] if out.text or not out.tool_calls else []
-        content += [ant.ToolUseBlock(id=c.id, name=c.name, input=msgspec.json.decode(c.arguments))
-                    for c in out.tool_calls]
-        s = out.stats
-        usage = ant.Usage(input_tokens=s.prompt_tokens - s.cached_tokens, output_tokens=s.completion_tokens,
-                          cache_read_input_tokens=s.cached_tokens)
-        return ant.Message(id=self.id, model=self.model, content=content, stop_reason=self._stop_reason(out),
-                           stop_sequence=out.stop_sequence, usage=usage, warmspec=SpeculationStats.of(s))
-
-
 # -- requests -> chat template messages -------------------------------------------------------------
-
-
-class TemplateFunction(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: Any  # a dict, as Hugging Face chat templates expect (they ``tojson`` it)
-
-
-class TemplateToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str | None = None
-    type: str = "function"
-    function: TemplateFunction
-
-
-class TemplateMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A chat turn as chat templates read it (absent fields stay undefined in jinja)."""
-
-    role: str
-    content: str
-    tool_calls: list[TemplateToolCall] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
 
 
 def _text(content: str | list[Any] | None, kinds: tuple[str, ...], where: str) -> str:
@@ -617,19 +201,17 @@ class ChatPrompt(msgspec.Struct):
     conversation: str
 
 
-async def _prompt(ctx: Context, messages: list[TemplateMessage], tools: list[oai.Tool] | None,
+async def _prompt(ctx: Context, messages: list[Message], tools: list[oai.Tool] | None,
                   *, note_reads: bool = True) -> ChatPrompt:
     """Token ids of the chat, built in a worker thread: encoding 1 MB of text takes 0.7 s here. (The
     loop runs meanwhile only if the tokenizer releases the GIL: ``encode_batch`` does, ``encode``
     does not -- measured 68 vs 1 ticks of a 10 ms timer during one 0.75 s encode.) Files the chat's
     tool calls read are indexed for drafting on the way."""
-    dicts = [msgspec.to_builtins(m) for m in messages]
-
     def build() -> ChatPrompt:
-        conversation = ctx.app.conversation_of(dicts)
+        conversation = ctx.app.conversation_of(messages)
         if note_reads:
-            ctx.app.note_tool_reads(dicts, conversation)
-        tokens = ctx.app.chat_prompt(dicts, tools=[msgspec.to_builtins(t) for t in tools] if tools else None)
+            ctx.app.note_tool_reads(messages, conversation)
+        tokens = ctx.app.chat_prompt(messages, tools=[msgspec.to_builtins(t) for t in tools] if tools else None)
         return ChatPrompt(tokens, conversation)
 
     return await asyncio.to_thread(build)
@@ -661,55 +243,55 @@ def _openai_choice(choice: str | oai.NamedToolChoice | oai.FunctionToolChoice | 
     return "'required'" if choice == "required" else "naming a function"
 
 
-def _chat_messages(messages: list[oai.ChatMessage]) -> list[TemplateMessage]:
+def _chat_messages(messages: list[oai.ChatMessage]) -> list[Message]:
     out = []
     for i, m in enumerate(messages):
-        calls = [TemplateToolCall(id=c.id, function=TemplateFunction(name=c.function.name,
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.function.name,
                                                                      arguments=_arguments(c.function.arguments)))
                  for c in m.tool_calls] if m.tool_calls else None
-        out.append(TemplateMessage(role="system" if m.role == "developer" else m.role,
+        out.append(Message(role="system" if m.role == "developer" else m.role,
                                    content=_text(m.content, ("text",), f"messages[{i}].content"),
                                    tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name))
     return out
 
 
-def _responses_messages(req: oai.ResponsesRequest) -> list[TemplateMessage]:
-    out = [TemplateMessage(role="system", content=req.instructions)] if req.instructions else []
+def _responses_messages(req: oai.ResponsesRequest) -> list[Message]:
+    out = [Message(role="system", content=req.instructions)] if req.instructions else []
     if isinstance(req.input, str):
-        return out + [TemplateMessage(role="user", content=req.input)]
+        return out + [Message(role="user", content=req.input)]
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if item.type == "message":
             if item.role is None:
                 raise ApiError(400, "a message item needs a role", param=f"{where}.role")
             role = "system" if item.role == "developer" else item.role
-            out.append(TemplateMessage(role=role, content=_text(item.content, ("input_text", "output_text", "text"),
+            out.append(Message(role=role, content=_text(item.content, ("input_text", "output_text", "text"),
                                                                 f"{where}.content")))
         elif item.type == "function_call":
             if item.call_id is None or item.name is None or item.arguments is None:
                 raise ApiError(400, "a function_call item needs call_id, name and arguments", param=where)
-            call = TemplateToolCall(id=item.call_id, function=TemplateFunction(name=item.name,
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
                                                                              arguments=_arguments(item.arguments)))
             if out and out[-1].role == "assistant" and out[-1].tool_calls is not None:
                 out[-1].tool_calls.append(call)  # parallel calls: one assistant turn
             else:
-                out.append(TemplateMessage(role="assistant", content="", tool_calls=[call]))
+                out.append(Message(role="assistant", content="", tool_calls=[call]))
         else:
             if item.call_id is None or item.output is None:
                 raise ApiError(400, "a function_call_output item needs call_id and output", param=where)
-            out.append(TemplateMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+            out.append(Message(role="tool", content=item.output, tool_call_id=item.call_id))
     return out
 
 
 def _anthropic_messages(system: str | list[ant.ContentBlockParam] | None,
-                        messages: list[ant.MessageParam]) -> list[TemplateMessage]:
+                        messages: list[ant.MessageParam]) -> list[Message]:
     out = []
     if system:
-        out.append(TemplateMessage(role="system", content=_text(system, ("text",), "system")))
+        out.append(Message(role="system", content=_text(system, ("text",), "system")))
     for i, m in enumerate(messages):
         where = f"messages[{i}].content"
         if isinstance(m.content, str):
-            out.append(TemplateMessage(role=m.role, content=m.content))
+            out.append(Message(role=m.role, content=m.content))
             continue
         texts, calls = [], []
         for j, block in enumerate(m.content):
@@ -718,16 +300,16 @@ def _anthropic_messages(system: str | list[ant.ContentBlockParam] | None,
             elif block.type == "tool_use" and m.role == "assistant":
                 if block.name is None:
                     raise ApiError(400, "a tool_use block needs a name", param=f"{where}[{j}].name")
-                calls.append(TemplateToolCall(id=block.id, function=TemplateFunction(name=block.name,
+                calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name,
                                                                                    arguments=block.input or {})))
             elif block.type == "tool_result" and m.role == "user":
                 result = _text(block.content, ("text",), f"{where}[{j}].content")
-                out.append(TemplateMessage(role="tool", content=result, tool_call_id=block.tool_use_id))
+                out.append(Message(role="tool", content=result, tool_call_id=block.tool_use_id))
             else:
                 raise ApiError(400, f"content block of type {block.type!r} is not supported in {m.role} "
                                     "messages (warmspec serves text-only models)", param=f"{where}[{j}].type")
         if texts or calls:
-            out.append(TemplateMessage(role=m.role, content="\n".join(texts), tool_calls=calls or None))
+            out.append(Message(role=m.role, content="\n".join(texts), tool_calls=calls or None))
     return out
 
 
@@ -993,7 +575,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 def _error_response(request: web.Request, e: ApiError) -> web.Response:
-    body = _anthropic_error(e) if request.path.startswith("/v1/messages") else _openai_error(e)
+    body = anthropic_error(e) if request.path.startswith("/v1/messages") else openai_error(e)
     return _json(body, e.status)
 
 

@@ -462,7 +462,7 @@ def models(ls: Connection, params: wire.NoParams) -> wire.ModelsResult:
 
 @feature("warmspec/chat")
 async def chat(ls: Connection, params: wire.ChatParams) -> wire.GenerateResult:
-    messages = [msgspec.to_builtins(m) for m in params.messages]
+    messages = params.messages
     try:
         prompt = ls.app.chat_prompt(messages)
     except EngineError as e:
