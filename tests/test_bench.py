@@ -183,6 +183,22 @@ def parse(*argv):
     return parser.parse_args(argv)
 
 
+def test_resume_keeps_finished_cases(default_lm, tmp_path):
+    cases = tmp_path / "cases.jsonl"
+    write_jsonl(cases, [{"id": "one", "messages": user(ECHO), "max_tokens": 6},
+                        {"id": "two", "messages": user("Name a colour."), "max_tokens": 6}])
+    out = tmp_path / "out"
+    first = bench.bench(default_lm, [cases], out, limit=1, costs=CostTable(CPU_COSTS))
+    assert [r.id for r in first.cases] == ["one", "one"]
+    # a run cut short resumes: the finished case is kept as measured, not run again
+    again = bench.bench(default_lm, [cases], out, resume=True)
+    assert again.cases[:2] == first.cases and [r.id for r in again.cases[2:]] == ["two", "two"]
+    assert again.costs == first.costs  # priced with the first run's table, not re-measured
+    assert msgspec.json.decode((out / "results.json").read_bytes(), type=BenchResults) == again
+    with pytest.raises(ValueError, match="another run"):
+        bench.bench(default_lm, [cases], out, modes=["plain"], resume=True)
+
+
 def test_command_line(tmp_path):
     args = parse("bench", "a.jsonl", "b.jsonl", "--out", str(tmp_path), "--limit", "3", "--replay")
     assert args.func is bench.run

@@ -482,7 +482,8 @@ def _progress(i: int, n: int, file: str, case: BenchCase, rows: list[CaseResult]
 def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence[str] = MODES,
           repeat: int = 1, limit: int | None = None, max_tokens_cap: int | None = None,
           replay_outputs: bool = False, max_draft: int | None = None, costs: CostTable | None = None,
-          replay_costs: CostTable | None = None, replay_costs_name: str | None = None) -> BenchResults:
+          replay_costs: CostTable | None = None, replay_costs_name: str | None = None,
+          resume: bool = False) -> BenchResults:
     """Run every case of ``inputs`` in every mode, replay the cases that have a reference (and,
     with ``replay_outputs``, plain's outputs of the others), and write results.json, report.md
     and speedup.png under ``out``.
@@ -490,12 +491,21 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
     ``costs``: the verify cost table of the ngram engine (measured here when None);
     ``replay_costs``: the table that prices replays (default: ``costs`` as it was before the
     ngram engine began adjusting its copy to observed passes), named ``replay_costs_name``.
+
+    The files are rewritten after every case, and ``resume`` keeps the cases an earlier run left
+    in ``out/results.json`` (with its cost table, so every case is priced alike): the full CPU run
+    takes ~2.5 hours on 2 cores (~3.3 minutes a file-edit case, plain decoding at 8-10 tok/s), and
+    a run cut short must not cost its finished cases.
     """
     from .engine import MAX_DRAFT, Engine, EngineError
 
     max_draft = max_draft or MAX_DRAFT
     cases = read_cases(inputs, limit)
     wants_replay = replay_outputs or any(c.reference for _, c in cases)
+    prior = read_prior(out, lm.name, modes, repeat, max_draft) if resume else None
+    if prior is not None:
+        costs = costs or (CostTable(prior.costs) if prior.costs else None)
+        replay_costs_name = replay_costs_name or prior.replay_costs or None
     measured = costs is None and ("ngram" in modes or (wants_replay and replay_costs is None))
     if measured:
         print("warmspec bench: measuring verify costs…", file=sys.stderr, flush=True)
@@ -509,9 +519,24 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
     for engine in engines.values():  # the first passes of a process allocate: not in case 1
         decode(engine, chat_ids(lm.tokenizer, [Message(role="user", content="Hello!")]),
                WARMUP_TOKENS)
-    rows: list[CaseResult] = []
-    replays: list[ReplayResult] = []
+    rows: list[CaseResult] = list(prior.cases) if prior else []
+    replays: list[ReplayResult] = list(prior.replays) if prior else []
+    finished = {(r.file, r.id) for r in rows} | {(r.file, r.id) for r in replays}
+    names = [p.name for p in inputs]
+
+    def results() -> BenchResults:
+        return BenchResults(
+            machine=info, model=lm.name, inputs=names, modes=list(modes), repeat=repeat,
+            max_draft=max_draft, costs=costs.points if costs else {},
+            replay_costs=replay_costs_name if replayers else "", cases=rows, replays=replays,
+            summary=summarize(rows, replays),
+            files={f: summarize([r for r in rows if r.file == f], [r for r in replays if r.file == f])
+                   for f in names},
+        )
+
     for i, (file, case) in enumerate(cases, 1):
+        if (file, case.id) in finished:
+            continue
         max_tokens = min(case.max_tokens, max_tokens_cap or case.max_tokens)
         with tempfile.TemporaryDirectory(prefix="warmspec-bench-") as tmp:
             prep = prepare(case, lm.tokenizer, Path(tmp))
@@ -531,17 +556,25 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
         rows += new
         replays += done
         _progress(i, len(cases), file, case, new, done)
-    names = [p.name for p in inputs]
-    results = BenchResults(
-        machine=info, model=lm.name, inputs=names, modes=list(modes), repeat=repeat,
-        max_draft=max_draft, costs=costs.points if costs else {},
-        replay_costs=replay_costs_name if replayers else "", cases=rows, replays=replays,
-        summary=summarize(rows, replays),
-        files={f: summarize([r for r in rows if r.file == f], [r for r in replays if r.file == f])
-               for f in names},
-    )
-    write(results, out)
-    return results
+        write(results(), out)
+    final = results()
+    write(final, out)
+    return final
+
+
+def read_prior(out: Path, model: str, modes: Sequence[str], repeat: int,
+               max_draft: int) -> BenchResults | None:
+    """The results an earlier run left in ``out``, if it measured the same thing; None when there
+    are none. A run with another model or other settings is refused (ValueError), not mixed in."""
+    path = out / "results.json"
+    if not path.exists():
+        return None
+    prior = msgspec.json.decode(path.read_bytes(), type=BenchResults)
+    theirs = (prior.model, prior.modes, prior.repeat, prior.max_draft)
+    if theirs != (model, list(modes), repeat, max_draft):
+        raise ValueError(f"{path} holds another run (model, modes, repeat, max draft = {theirs}): "
+                         "--resume needs the same settings, or a new --out")
+    return prior
 
 
 def write(results: BenchResults, out: Path) -> None:
@@ -717,6 +750,8 @@ def add_parser(subparsers) -> None:
                    help="comma-separated modes among plain,ngram (empty: replay only)")
     p.add_argument("--repeat", type=int, default=1, help="runs per case and mode (medians)")
     p.add_argument("--limit", type=int, default=None, help="first N cases of each file")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cases already in DIR/results.json and run only the others")
     p.add_argument("--replay", action="store_true",
                    help="also replay plain's outputs of cases without a reference")
     p.add_argument("--costs", type=Path, default=None, metavar="COSTS.json",
@@ -759,10 +794,16 @@ def run(args: argparse.Namespace) -> int:
         print(probes.run(args.probe, args.out, lm, args.model))
     if not args.prompts:
         return 0
-    results = bench(lm, args.prompts, args.out, modes=modes, repeat=args.repeat, limit=args.limit,
-                    max_tokens_cap=args.max_tokens_cap, replay_outputs=args.replay,
-                    max_draft=args.max_draft, replay_costs=replay_costs,
-                    replay_costs_name=str(args.costs) if args.costs else None)
+    try:
+        results = bench(lm, args.prompts, args.out, modes=modes, repeat=args.repeat,
+                        limit=args.limit, max_tokens_cap=args.max_tokens_cap,
+                        replay_outputs=args.replay, max_draft=args.max_draft,
+                        replay_costs=replay_costs,
+                        replay_costs_name=str(args.costs) if args.costs else None,
+                        resume=args.resume)
+    except (ValueError, msgspec.DecodeError) as e:  # --resume over another run's results
+        print(f"warmspec bench: {e}", file=sys.stderr)
+        return 2
     print_summary(results)
     print(f"wrote {args.out}/results.json, report.md, speedup.png", file=sys.stderr)
     return 0
