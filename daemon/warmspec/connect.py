@@ -11,6 +11,7 @@ import argparse
 
 from warmspec_protocol import rpc as wire
 
+from . import fetch
 from .client import Client
 from .server import daemon
 from .server.daemon import DaemonError, model_key
@@ -25,6 +26,13 @@ def connect_daemon(args: argparse.Namespace, err) -> Client:
         return Client.unix(paths.socket)
     except OSError:
         pass
+    if not args.model:
+        # Download the default model here, in the foreground, where pip's progress bar reaches the
+        # user's terminal; the background daemon would only write it to its log.
+        try:
+            fetch.pull()
+        except fetch.FetchError as e:
+            raise DaemonError(str(e)) from None
     serve_args = [*(["--model", args.model] if args.model else []), "--max-draft", str(args.max_draft),
                   *(["--no-speculate"] if args.no_speculate else []),
                   *(a for w in args.workspace for a in ("--workspace", str(w)))]
