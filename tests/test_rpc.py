@@ -23,6 +23,8 @@ from warmspec.server.app import App, Limits
 from warmspec.server.inline import CompletionCache, cursor_context
 from warmspec.server.rpc import RpcService
 from warmspec.server.scheduler import Job
+from warmspec.workspace import PRIORITY_CONVERSATION
+from warmspec_protocol import FunctionCall, ToolCall
 from warmspec_protocol import rpc as wire
 from warmspec_protocol.rpc import ErrorCode
 
@@ -264,6 +266,25 @@ def test_completion_cache_serves_typed_through_suggestion():
     assert cache.lookup("x = comp", "\n") == "ute(1)"
     assert cache.lookup("x = cx", "\n") is None  # typed something else
     assert cache.lookup("x = ", "y\n") is None  # a different suffix
+
+
+def test_chat_indexes_the_files_its_tool_calls_read(daemon):
+    """An agent speaking JSON-RPC resends its history as HTTP agents do: the file a tool call read
+    becomes a draft source of that conversation, over either transport."""
+    lib = daemon.root / "lib.py"
+    lib.write_text("def area(r):\n    return 3.14159 * r * r\n")
+    call = ToolCall(id="call_1", function=FunctionCall(name="read_file",
+                                                        arguments={"path": str(lib)}))
+    messages = [wire.Message(role="user", content="Read lib.py and rename area to circle_area."),
+                wire.Message(role="assistant", content="", tool_calls=[call]),
+                wire.Message(role="tool", content=lib.read_text(), tool_call_id="call_1")]
+    with daemon.client() as c:
+        result = c.call("warmspec/chat", wire.ChatParams(messages=messages, max_tokens=2,
+                                                         temperature=0.0), wire.GenerateResult)
+    assert result.finish_reason in ("stop", "length")
+    assert lib.resolve() in daemon.app.workspace.files
+    ranks = [priority for _, priority in daemon.app.workspace.sources(daemon.app.conversation_of(messages))]
+    assert PRIORITY_CONVERSATION in ranks  # read in this conversation: it ranks first among files
 
 
 def test_did_read_refuses_paths_outside_the_workspace(daemon, tmp_path):

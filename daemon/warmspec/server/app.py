@@ -67,6 +67,16 @@ class App:
         tok = self.lm.tokenizer
         return tok.encode(tok.apply_chat_template([msgspec.to_builtins(m) for m in messages], tools=tools))
 
+    def chat_request(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
+                     conversation: str | None = None, note_reads: bool = True) -> tuple[list[int], str]:
+        """The prompt's token ids and the conversation's id (the client's, else derived), indexing
+        on the way the files the chat's tool calls read. Every transport's chat comes through here;
+        it encodes for up to a second on long prompts, so transports call it in a worker thread."""
+        conversation = conversation or self.conversation_of(messages)
+        if note_reads:
+            self.note_tool_reads(messages, conversation)
+        return self.chat_prompt(messages, tools=tools), conversation
+
     @staticmethod
     def conversation_of(messages: Sequence[Message]) -> str:
         """A stable id for a chat: agents resend the whole conversation every turn, and its

@@ -207,14 +207,10 @@ async def _prompt(ctx: Context, messages: list[Message], tools: list[oai.Tool] |
     loop runs meanwhile only if the tokenizer releases the GIL: ``encode_batch`` does, ``encode``
     does not -- measured 68 vs 1 ticks of a 10 ms timer during one 0.75 s encode.) Files the chat's
     tool calls read are indexed for drafting on the way."""
-    def build() -> ChatPrompt:
-        conversation = ctx.app.conversation_of(messages)
-        if note_reads:
-            ctx.app.note_tool_reads(messages, conversation)
-        tokens = ctx.app.chat_prompt(messages, tools=[msgspec.to_builtins(t) for t in tools] if tools else None)
-        return ChatPrompt(tokens, conversation)
-
-    return await asyncio.to_thread(build)
+    tokens, conversation = await asyncio.to_thread(
+        ctx.app.chat_request, messages, note_reads=note_reads,
+        tools=[msgspec.to_builtins(t) for t in tools] if tools else None)
+    return ChatPrompt(tokens, conversation)
 
 
 def _tools(ctx: Context, tools: list[oai.Tool] | None, choice: str | None) -> list[oai.Tool] | None:

@@ -462,13 +462,12 @@ def models(ls: Connection, params: wire.NoParams) -> wire.ModelsResult:
 
 @feature("warmspec/chat")
 async def chat(ls: Connection, params: wire.ChatParams) -> wire.GenerateResult:
-    messages = params.messages
     try:
-        prompt = ls.app.chat_prompt(messages)
+        prompt, conversation = await asyncio.to_thread(ls.app.chat_request, params.messages,
+                                                       conversation=params.conversation)
     except EngineError as e:
         raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
-    if params.conversation is None:  # as over HTTP: agents resend the conversation, its opening stays
-        params = msgspec.structs.replace(params, conversation=ls.app.conversation_of(messages))
+    params = msgspec.structs.replace(params, conversation=conversation)
     return await ls.generate(prompt, params, "chat")
 
 
