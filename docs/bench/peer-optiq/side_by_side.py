@@ -8,11 +8,11 @@ one loaded model (float32 on CPU, as ``warmspec bench``). OptiQ runs as ``optiq 
 whole prompt as context. Each run starts from a cache prefilled with all but the last prompt token,
 so every decode time is the same thing: from there to the last token, prefill excluded.
 
-Not part of the package or its tests (OptiQ is not a dependency). To run::
+Not part of the package or its tests (OptiQ is not a dependency). Like ``warmspec``, it
+re-executes itself on the system OpenBLAS when one is installed. To run::
 
     pip download --no-deps mlx-optiq==0.7.7 -d /tmp/optiq && unzip -q /tmp/optiq/*.whl -d /tmp/optiq/src
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 PYTHONPATH=/tmp/optiq/src \\
-      python docs/bench/peer-optiq/side_by_side.py SHARED/bench/edits-public.jsonl \\
+    PYTHONPATH=/tmp/optiq/src python docs/bench/peer-optiq/side_by_side.py SHARED/bench/edits-public.jsonl \\
       SHARED/bench/prose-public.jsonl --limit 10 --out docs/bench/peer-optiq/draft16
 """
 
@@ -20,32 +20,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+import sys
 import time
 from pathlib import Path
+
+from warmspec import blas
+
+if __name__ == "__main__":  # before MLX is imported, as the warmspec CLI does
+    blas.reexec_with_openblas(sys.argv)
 
 import mlx.core as mx
 import msgspec
 from mlx_lm.models.cache import make_prompt_cache
 from optiq.runtime.ngram_spec import NgramStats, ngram_generate_step
-from warmspec import blas
-from warmspec.bench import GREEDY, chat_ids, machine, read_cases
-from warmspec.engine import MAX_DRAFT, Engine, Run
+from warmspec.bench import chat_ids, decode, flush, machine, read_cases
+from warmspec.engine import MAX_DRAFT, Engine
 from warmspec.model import load
-from warmspec_protocol import GenerationStats
 
 OPTIQ_DRAFT = 16  # `optiq serve --help`: "16 is a good value"
 
 
 def warmspec_run(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
-    engine.reset()
-    engine.store.clear()
-    run = Run(GREEDY, max_tokens, GenerationStats())
-    tokens = [t for new in engine.generate_tokens(prompt, run) for t in new]
-    s = run.stats
-    return {"tokens": tokens, "decode_s": s.decode_s, "passes": s.passes, "drafted": s.drafted,
-                "accepted": s.accepted}
+    flush(engine)
+    sample = decode(engine, prompt, max_tokens)
+    s = sample.stats
+    return {"tokens": sample.tokens, "decode_s": s.decode_s, "passes": s.passes,
+            "drafted": s.drafted, "accepted": s.accepted}
 
 
 def optiq_run(lm, prompt: list[int], max_tokens: int, draft: int = OPTIQ_DRAFT) -> dict:
@@ -68,7 +69,7 @@ def optiq_run(lm, prompt: list[int], max_tokens: int, draft: int = OPTIQ_DRAFT) 
     steps.close()
     decode_s = time.perf_counter() - t0
     return {"tokens": tokens, "decode_s": decode_s, "passes": stats.verify_steps + stats.plain_steps,
-                "drafted": stats.drafted, "accepted": stats.accepted}
+            "drafted": stats.drafted, "accepted": stats.accepted}
 
 
 def main() -> None:
@@ -97,15 +98,14 @@ def main() -> None:
         plain = runs["plain"]
         for mode, r in runs.items():
             rows.append({"file": file, "id": case.id, "mode": mode, "tokens": len(r["tokens"]),
-                             "decode_s": r["decode_s"], "passes": r["passes"], "drafted": r["drafted"],
-                             "accepted": r["accepted"], "identical_to_plain": r["tokens"] == plain["tokens"]})
+                         "decode_s": r["decode_s"], "passes": r["passes"], "drafted": r["drafted"],
+                         "accepted": r["accepted"], "identical_to_plain": r["tokens"] == plain["tokens"]})
         rate = {m: len(r["tokens"]) / r["decode_s"] for m, r in runs.items()}
         print(f"{file} {case.id}: plain {rate['plain']:.1f} tok/s | warmspec {rate['ngram'] / rate['plain']:.2f}x"
               f" | optiq {rate['optiq'] / rate['plain']:.2f}x"
               f" | identical {runs['ngram']['tokens'] == plain['tokens']}/{runs['optiq']['tokens'] == plain['tokens']}",
               flush=True)
-        write(args.out, rows, args.optiq_draft, info)
-    write(args.out, rows, args.optiq_draft, info)
+        write(args.out, rows, args.optiq_draft, info)  # after every case: a run cut short keeps its cases
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -120,9 +120,9 @@ def summarize(rows: list[dict]) -> dict:
             tok, sec = sum(r["tokens"] for r in m), sum(r["decode_s"] for r in m)
             per = [(r["tokens"] / r["decode_s"]) / (plain[r["id"]]["tokens"] / plain[r["id"]]["decode_s"]) for r in m]
             out[file][mode] = {"cases": len(m), "tokens": tok, "decode_s": sec, "tok_s": tok / sec,
-                                   "speedup_vs_plain": tok / sec / base, "per_case_min": min(per),
-                                   "per_case_median": statistics.median(per), "per_case_max": max(per),
-                                   "identical": f"{sum(r['identical_to_plain'] for r in m)}/{len(m)}"}
+                               "speedup_vs_plain": tok / sec / base, "per_case_min": min(per),
+                               "per_case_median": statistics.median(per), "per_case_max": max(per),
+                               "identical": f"{sum(r['identical_to_plain'] for r in m)}/{len(m)}"}
     return out
 
 
@@ -136,9 +136,9 @@ def write(out: Path, rows: list[dict], draft: int, info: dict) -> None:
              "optiq": f"OptiQ 0.7.7 n-gram (draft ceiling {draft})"}
     lines = ["# warmspec and OptiQ's n-gram path, side by side", "",
              (f"- machine: {info['cpu']}, {info['cores']} cores; {info['device']}, {info['blas']}; "
-             f"MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, Python {info['python']}"),
+              f"MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, Python {info['python']}"),
              ("- model: SmolLM2-135M-Instruct, float32 (dequantized at load); greedy; the three modes "
-             "alternate per case in one process; decode time excludes prefill"),
+              "alternate per case in one process; decode time excludes prefill"),
              "- speedup: decode tok/s over warmspec plain's on the same cases", "",
              "| file | decoder | cases | tokens | decode s | tok/s | speedup | per case (min / median / max) | identical |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -151,6 +151,4 @@ def write(out: Path, rows: list[dict], draft: int, info: dict) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("LD_PRELOAD") is None and blas.find_openblas():
-        print("note: run with LD_PRELOAD of the system OpenBLAS (see the docstring)", flush=True)
     main()
