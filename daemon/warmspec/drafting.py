@@ -40,7 +40,10 @@ class Drafter(Protocol):
 
 
 class NgramIndex:
-    """An append-only token sequence with an index of where each n-gram ended."""
+    """An append-only token sequence with an index of where each n-gram ended. ``extend`` changes
+    it in place: only for an index one thread owns (a request's own). A published index -- a
+    workspace file's, read by drafters on the engine thread -- is never changed: ``derive`` makes
+    its successor."""
 
     def __init__(self, tokens: Sequence[int] = (), *, name: str = "", min_n: int = DEFAULT_MIN_N):
         self.name = name
@@ -64,19 +67,42 @@ class NgramIndex:
                     where = self.ends[key] = deque(maxlen=OCCURRENCES_PER_KEY)
                 where.append(len(toks) - 1)
 
-    def truncate(self, length: int) -> None:
-        """Forget everything from ``length`` on (used when a request's tokens are rolled back)."""
-        if length >= len(self.tokens):
-            return
+    def derive(self, tokens: Sequence[int]) -> "NgramIndex":
+        """A new index of ``tokens`` that shares with this one everything before the first token
+        that differs; this one is left exactly as it was (copy-on-write), so a drafter reading it
+        on another thread never sees it change. ``self`` when nothing changed.
+
+        The key table is copied shallowly (at C speed) and a key's deque is replaced, not changed,
+        when an occurrence is dropped or added; the Python work is proportional to the tokens from
+        the first change on. A key that had more than ``OCCURRENCES_PER_KEY`` occurrences may keep
+        fewer than a fresh index would (the deque forgot the oldest): only drafting quality depends
+        on it, never output.
+        """
+        old, new_tokens = self.tokens, list(tokens)
+        common = common_prefix(old, new_tokens)
+        if common == len(old) == len(new_tokens):
+            return self
         n = self.min_n
-        for end in range(len(self.tokens) - 1, max(length, n - 1) - 1, -1):
-            key = tuple(self.tokens[end - n + 1 : end + 1])
-            where = self.ends.get(key)
-            if where and where[-1] == end:
-                where.pop()
-                if not where:
-                    del self.ends[key]
-        del self.tokens[length:]
+        first = max(common, n - 1)  # the first end that changes
+        out = NgramIndex(name=self.name, min_n=n)
+        out.tokens = new_tokens
+        out.ends = ends = dict(self.ends)
+        owned: set[tuple[int, ...]] = set()  # keys whose deque is out's own (safe to append to)
+        for key in {tuple(old[end - n + 1 : end + 1]) for end in range(first, len(old))}:
+            kept = [e for e in ends.get(key, ()) if e < first]
+            if kept:
+                ends[key] = deque(kept, maxlen=OCCURRENCES_PER_KEY)
+                owned.add(key)
+            else:
+                ends.pop(key, None)
+        for end in range(first, len(new_tokens)):
+            key = tuple(new_tokens[end - n + 1 : end + 1])
+            where = ends.get(key)
+            if key not in owned:
+                where = ends[key] = deque(where or (), maxlen=OCCURRENCES_PER_KEY)
+                owned.add(key)
+            where.append(end)
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +124,18 @@ class NgramIndex:
             while agree < limit and toks[end - agree] == context[-1 - agree]:
                 agree += 1
             yield agree, end
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], block: int = 4096) -> int:
+    """How many leading tokens ``a`` and ``b`` share: compared a block at a time at C speed,
+    then token by token inside the first block that differs."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + block] == b[i : i + block]:
+        i += block
+    if i >= n:
+        return n
+    return next((j for j in range(i, min(i + block, n)) if a[j] != b[j]), n)
 
 
 Source = tuple[NgramIndex, int]  # an index and its priority (higher wins ties)
