@@ -21,12 +21,15 @@ from warmspec.engine import Delta, Engine
 from warmspec.gate import CostTable
 from warmspec.server.app import App, Limits
 from warmspec.server.inline import CompletionCache, cursor_context
+from warmspec.server import rpc
 from warmspec.server.rpc import RpcService
 from warmspec.server.scheduler import Job
 from warmspec.workspace import PRIORITY_CONVERSATION
 from warmspec_protocol import FunctionCall, ToolCall
 from warmspec_protocol import rpc as wire
 from warmspec_protocol.rpc import ErrorCode
+
+import tiny
 
 FAST_COSTS = CostTable({0: {1: 1.0, 2: 1.1, 33: 2.0}})  # skips the verify-cost measurement
 
@@ -347,6 +350,159 @@ def test_roots_named_in_initialize_are_added_for_local_clients_only(default_lm, 
     assert refused.value.code == still_refused.value.code == ErrorCode.PATH_REFUSED
     assert indexed.path == str((local / "main.py").resolve())
     assert status.workspace_roots == [str(local.resolve())]
+
+
+# -- editor documents: limits and ownership (raw frames, a tiny model: nothing is generated) ------------
+
+
+@pytest.fixture
+def tiny_daemon(tmp_path):
+    d = InProcessDaemon(tiny.build("llama"), tmp_path)
+    (d.root / "sync.txt").write_text("a file to read: its reply means the indexer got this far\n")
+    yield d
+    d.close()
+
+
+def wait_until(predicate, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def open_doc(c: Client, uri: str, text: str) -> None:
+    c.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": 1,
+                                                       "text": text}})
+
+
+def change_doc(c: Client, uri: str, text: str, version: int = 2) -> None:
+    c.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": version},
+                                        "contentChanges": [{"text": text}]})
+
+
+def close_doc(c: Client, uri: str) -> None:
+    c.notify("textDocument/didClose", {"textDocument": {"uri": uri}})
+
+
+def ghost_at_start(c: Client, uri: str) -> dict:
+    """Ghost text at the start of the buffer: no prefix to continue, so an open document answers
+    no items without decoding."""
+    return c.call("textDocument/inlineCompletion", {"textDocument": {"uri": uri},
+                                                    "position": {"line": 0, "character": 0},
+                                                    "context": {"triggerKind": 1}}, dict)
+
+
+def is_open(c: Client, uri: str) -> bool:
+    """Whether the connection holds ``uri`` (an error other than "not open" is re-raised)."""
+    try:
+        ghost_at_start(c, uri)
+        return True
+    except RpcError as e:
+        if "is not open" not in e.message:
+            raise
+        return False
+
+
+def synced(d: InProcessDaemon, c: Client) -> None:
+    """Wait until the indexer has done what ``c`` sent so far: didRead runs on the same thread,
+    after the document jobs queued before it."""
+    c.call("warmspec/didRead", wire.DidReadParams(path=str(d.root / "sync.txt")), wire.DidReadResult)
+
+
+def test_a_document_over_the_size_limit_is_refused_before_it_is_stored(tiny_daemon):
+    """Neither pygls's store nor the workspace keeps a buffer over max_file_bytes, opened or grown
+    by a change; ghost text for it says why; the daemon keeps serving."""
+    d = tiny_daemon
+    ws = d.app.workspace
+    ws.max_file_bytes = 4096
+    big, small = (d.root / "big.py").as_uri(), (d.root / "small.py").as_uri()
+    with d.client() as c:
+        open_doc(c, big, "x = 1\n" * 1000)  # 6000 bytes
+        open_doc(c, small, "y = 2\n")
+        assert not is_open(c, big) and is_open(c, small)
+        with pytest.raises(RpcError) as refused:
+            ghost_at_start(c, big)
+        (conn,) = d.service.connections
+        assert big not in conn.documents and small in conn.documents
+        synced(d, c)
+        assert ws.document_text(big) is None and d.root / "big.py" not in ws.files
+        assert ws.document_text(small) == "y = 2\n"
+
+        change_doc(c, small, "y = 2\n" * 1000)  # a change past the limit closes the buffer
+        assert not is_open(c, small)
+        synced(d, c)
+        assert ws.document_text(small) is None
+        assert c.call("warmspec/status", None, wire.Status).model.id == d.app.lm.name
+    assert refused.value.code == ErrorCode.INVALID_PARAMS
+    assert "6000 bytes, over the 4096-byte limit" in refused.value.message
+
+
+def test_open_documents_are_bounded_per_connection_and_in_total(tiny_daemon, monkeypatch):
+    monkeypatch.setattr(rpc, "MAX_DOCUMENTS_PER_CONNECTION", 2)
+    monkeypatch.setattr(rpc, "MAX_DOCUMENTS", 3)
+    d = tiny_daemon
+    uri = {name: (d.root / f"{name}.py").as_uri() for name in "abcde"}
+    with d.client() as c1, d.client() as c2:
+        for name in "abc":
+            open_doc(c1, uri[name], f"{name} = 1\n")
+        assert [is_open(c1, uri[n]) for n in "abc"] == [True, True, False]
+        with pytest.raises(RpcError) as per_connection:
+            ghost_at_start(c1, uri["c"])
+        open_doc(c1, uri["a"], "a = 2\n")  # open already: counts once
+        assert is_open(c1, uri["a"])
+        open_doc(c2, uri["d"], "d = 1\n")
+        open_doc(c2, uri["e"], "e = 1\n")
+        assert is_open(c2, uri["d"]) and not is_open(c2, uri["e"])
+        with pytest.raises(RpcError) as in_total:
+            ghost_at_start(c2, uri["e"])
+        close_doc(c1, uri["b"])
+        open_doc(c2, uri["e"], "e = 1\n")
+        assert is_open(c2, uri["e"])
+    assert "MAX_DOCUMENTS_PER_CONNECTION" in per_connection.value.message
+    assert "MAX_DOCUMENTS)" in in_total.value.message
+
+
+def test_documents_are_owned_per_connection(tiny_daemon):
+    """Two editors with one file open: the newest buffer is what drafts, and one editor's
+    didClose leaves the other's buffer open (and drafting)."""
+    d = tiny_daemon
+    ws = d.app.workspace
+    path = d.root / "shared.py"
+    uri = path.as_uri()
+    with d.client() as first, d.client() as second:
+        open_doc(first, uri, "first = 1\n")
+        synced(d, first)
+        open_doc(second, uri, "second = 2\n")
+        synced(d, second)
+        assert ws.document_text(uri) == indexed(ws, path) == "second = 2\n"  # the newest wins
+        close_doc(second, uri)
+        synced(d, second)
+        assert ws.document_text(uri) == indexed(ws, path) == "first = 1\n"  # still open in the first
+        assert is_open(first, uri) and not is_open(second, uri)
+
+
+def test_documents_are_released_when_their_connection_ends(tiny_daemon):
+    """An editor that goes away without didClose: its documents are closed, and the watcher
+    follows the file on disk again (it leaves open buffers alone)."""
+    d = tiny_daemon
+    ws = d.app.workspace
+    path = d.root / "left.py"
+    path.write_text("on_disk = 0\n")
+    uri = path.as_uri()
+    with d.client() as c:
+        open_doc(c, uri, "in_the_buffer = 1\n")
+        synced(d, c)
+        assert ws.document_text(uri) == indexed(ws, path) == "in_the_buffer = 1\n"
+    # the socket closed with the document still open
+    wait_until(lambda: ws.document_text(uri) is None, "the connection's documents to be released")
+    path.write_text("on_disk = 1\n")
+    wait_until(lambda: indexed(ws, path) == "on_disk = 1\n", "the watcher to re-index the released file")
+
+
+def indexed(ws, path: Path) -> str:
+    """The text the workspace drafts from for ``path`` (byte tokens)."""
+    return next(bytes(idx.tokens).decode() for idx, _ in ws.sources() if idx.name == str(path.resolve()))
 
 
 # -- warmspec's client over the socket -----------------------------------------------------------------

@@ -10,6 +10,11 @@ Roots are the daemon's ``--workspace`` directories, plus the projects editors na
 over the socket or stdio (``add_root``). A watcher (watchdog) keeps read files current when they
 change on disk -- unless the editor has the file open, whose buffer wins.
 
+Open documents are counted per owner (an editor connection's name): two editors may have the same
+file open, the newest text of either is the one indexed, one editor's close leaves the other's
+buffer open, and ``release`` closes everything an owner had open when its connection ends. How
+many documents may be open is bounded where the buffers are stored, per connection (rpc.py).
+
 Indexes are published immutable: ``sources()`` hands them to the engine thread, whose drafter
 reads them for a whole request without a lock, so once handed out an index never changes. A
 changed file is re-tokenized and ``NgramIndex.derive`` builds its successor, sharing the key table
@@ -61,12 +66,11 @@ class _Entry:
     """One indexed file. ``index`` is replaced, never changed (see the module docstring); the
     other fields change under ``Workspace._lock``."""
 
-    def __init__(self, path: Path, index: NgramIndex, conversations: set[str], is_open: bool):
+    def __init__(self, path: Path, index: NgramIndex, conversations: set[str]):
         self.mtime = _mtime(path)
         self.path = path
         self.index = index
         self.conversations = conversations
-        self.is_open = is_open
         self.last_read = time.monotonic()
 
 
@@ -115,7 +119,8 @@ class Workspace:
         self.max_file_bytes = max_file_bytes
         self.min_n = min_n
         self._entries: OrderedDict[Path, _Entry] = OrderedDict()  # least recently read first
-        self._documents: dict[Path, str] = {}  # open editor buffers (may differ from disk)
+        # open editor buffers (may differ from disk): path -> {owner: text}, newest text last
+        self._documents: dict[Path, dict[str, str]] = {}
         self._ignore = {r: [".git", *_gitignore_patterns(r)] for r in self.roots}
         self._lock = threading.RLock()  # the entry table: held for lookups and swaps only
         # Serializes index changes, so each derives from the newest index of its file; held while
@@ -197,27 +202,53 @@ class Workspace:
         self._index(path, text, conversation=conversation)
         return path
 
-    def did_open(self, uri: str, text: str) -> Path:
+    def did_open(self, uri: str, text: str, owner: str = "") -> Path:
+        """An editor (``owner``) opened or changed a buffer: its text becomes the file's drafting
+        text, and the watcher leaves the file alone while any owner has it open. A buffer over
+        ``max_file_bytes`` is refused before anything is stored."""
         path = self.resolve(uri)
+        self._check_size(path, text)
         with self._lock:
-            self._documents[path] = text
-        self._index(path, text, is_open=True)
+            texts = self._documents.setdefault(path, {})
+            texts.pop(owner, None)
+            texts[owner] = text  # the newest last
+        self._index(path, text)
         return path
 
-    def did_change(self, uri: str, text: str) -> Path:
-        return self.did_open(uri, text)
+    def did_change(self, uri: str, text: str, owner: str = "") -> Path:
+        return self.did_open(uri, text, owner)
 
-    def did_close(self, uri: str) -> None:
-        path = self.resolve(uri)
+    def did_close(self, uri: str, owner: str = "") -> None:
+        self._close(self.resolve(uri), owner)
+
+    def release(self, owner: str) -> int:
+        """Close every document ``owner`` has open (its connection ended); how many."""
         with self._lock:
-            self._documents.pop(path, None)
-            if path in self._entries:
-                self._entries[path].is_open = False
+            paths = [p for p, texts in self._documents.items() if owner in texts]
+        for path in paths:
+            self._close(path, owner)
+        return len(paths)
+
+    def _close(self, path: Path, owner: str) -> None:
+        with self._lock:
+            texts = self._documents.get(path)
+            if texts is None or owner not in texts:
+                return
+            was_newest = next(reversed(texts)) == owner
+            del texts[owner]
+            if not texts:
+                del self._documents[path]
+                return
+            if not was_newest:
+                return
+            text = next(reversed(texts.values()))
+        self._index(path, text)  # another editor's buffer, now the newest open text
 
     def document_text(self, uri: str) -> str | None:
-        """The editor's buffer for ``uri`` if open, else None."""
+        """The newest open editor buffer for ``uri``, else None."""
         with self._lock:
-            return self._documents.get(self.resolve(uri))
+            texts = self._documents.get(self.resolve(uri))
+            return next(reversed(texts.values())) if texts else None
 
     def _read_disk(self, path: Path) -> str:
         try:
@@ -233,10 +264,12 @@ class Workspace:
             raise WorkspaceError(f"{path} is binary")
         return data.decode("utf-8", errors="replace")
 
-    def _index(self, path: Path, text: str, *, conversation: str | None = None,
-               is_open: bool = False) -> None:
+    def _check_size(self, path: Path, text: str) -> None:
         if len(text.encode("utf-8", errors="replace")) > self.max_file_bytes:
             raise WorkspaceError(f"{path} is larger than {self.max_file_bytes} bytes")
+
+    def _index(self, path: Path, text: str, *, conversation: str | None = None) -> None:
+        self._check_size(path, text)
         tokens = self.tokenizer.encode(text)
         with self._write_lock:
             with self._lock:
@@ -246,9 +279,8 @@ class Workspace:
             with self._lock:
                 entry = self._entries.pop(path, None)
                 if entry is None:
-                    entry = _Entry(path, index, set(), False)
+                    entry = _Entry(path, index, set())
                 entry.index = index
-                entry.is_open = entry.is_open or is_open
                 entry.last_read = time.monotonic()
                 entry.mtime = _mtime(path)
                 if conversation:
@@ -347,7 +379,7 @@ class Workspace:
             for e in self._entries.values():
                 if conversation and conversation in e.conversations:
                     priority = PRIORITY_CONVERSATION
-                elif e.is_open:
+                elif e.path in self._documents:
                     priority = PRIORITY_OPEN
                 else:
                     priority = PRIORITY_READ

@@ -10,6 +10,10 @@ request bookkeeping and ``$/cancelRequest``. This module does what pygls's reade
 -- it drops a malformed frame, bad JSON or a bad envelope with a log line and no reply, so a
 client would wait forever -- : every frame is read and checked here, every bad one answered with
 a JSON-RPC error, and ``warmspec/*`` params are decoded into msgspec Structs before pygls sees them.
+
+pygls's document store is bounded here (a document's size, the count per connection and in
+total) before it stores anything, and each connection's documents are indexed under its name, so
+one editor's didClose or hang-up closes only its own buffers.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ from .inline import GhostText, cursor_context
 from .scheduler import PRIORITY_NORMAL, Job, Ticket
 
 log = logging.getLogger("warmspec.rpc")
+
+# Open documents (LSP buffers) one connection may hold, and all connections together. A buffer is
+# at most the workspace's max_file_bytes (1 MiB by default), so this bounds the text held to
+# 512 MiB in the worst case; an editor typically holds a few dozen buffers of tens of KB. A
+# didOpen beyond either is refused (logged; the document is not stored, so ghost text for it
+# answers with the reason).
+MAX_DOCUMENTS_PER_CONNECTION = 128
+MAX_DOCUMENTS = 512
 
 # stdio: an editor spawned this process; unix: the socket, 0600 in a 0700 directory (same user);
 # tcp: anyone who can reach the port.
@@ -109,6 +121,42 @@ class WarmspecProtocol(LanguageServerProtocol):
     def lsp_exit(self, *args: Any) -> None:
         self._server.close()
 
+    @lsp_method(lsp.TEXT_DOCUMENT_DID_OPEN)
+    def lsp_text_document__did_open(self, params: lsp.DidOpenTextDocumentParams) -> Any:
+        """pygls stores every document it is sent: refuse one too large, or past the limits on
+        open documents, before it does (``Connection.document_refusal``)."""
+        doc = params.text_document
+        if (refusal := self._server.document_refusal(doc.uri, doc.text, opening=True)) is not None:
+            self._server.refuse_document(doc.uri, refusal)
+            return
+        self._server.refused.pop(unquote(doc.uri), None)
+        yield from super().lsp_text_document__did_open(params)
+
+    @lsp_method(lsp.TEXT_DOCUMENT_DID_CHANGE)
+    def lsp_text_document__did_change(self, params: lsp.DidChangeTextDocumentParams) -> Any:
+        """pygls's, with the size limit: a change that makes the buffer too large closes it (the
+        stored text could no longer follow the editor's). Whole-document changes -- the sync kind
+        advertised -- are checked before they are applied, incremental ones after."""
+        uri = params.text_document.uri
+        conn = self._server
+        doc = self.workspace.text_documents.get(unquote(uri))
+        if doc is None:
+            log.debug("%s: didChange for %s, which is not open", conn.name, uri)
+            return
+        changes = params.content_changes
+        if changes and all(isinstance(c, lsp.TextDocumentContentChangeWholeDocument) for c in changes):
+            if (refusal := conn.document_refusal(uri, changes[-1].text)) is not None:
+                conn.refuse_document(uri, refusal)
+                return
+            changes = changes[-1:]
+        for change in changes:
+            self.workspace.update_text_document(params.text_document, change)
+        if (refusal := conn.document_refusal(uri, doc.source)) is not None:
+            conn.refuse_document(uri, refusal)
+            return
+        if (handler := self.fm.features.get(lsp.TEXT_DOCUMENT_DID_CHANGE)) is not None:
+            yield handler, (params,), None
+
     def send_error(self, msg_id: wire.RequestId | None, code: ErrorCode, message: str) -> None:
         """An error pygls cannot send: its error message type drops a null id."""
         if self.writer is not None:
@@ -152,6 +200,7 @@ class Connection(LanguageServer):
         self.tickets: set[Ticket] = set()
         self.inline: dict[str, asyncio.Task] = {}  # the running inline completion per document
         self.superseded: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+        self.refused: dict[str, str] = {}  # documents not stored, and why (newest last, bounded)
         self._reader: asyncio.StreamReader | None = None
         for method, handler, options in _FEATURES:
             self.feature(method, options)(handler)
@@ -195,12 +244,13 @@ class Connection(LanguageServer):
         return 0 if self.shut_down else 1
 
     def _abandon(self) -> None:
-        """The client is gone: stop decoding for it."""
+        """The client is gone: stop decoding for it, and close the documents it left open."""
         for ticket in list(self.tickets):
             ticket.cancel()
         for task in self.inline.values():
             task.cancel()
         self.service.connections.discard(self)
+        self.service.release_documents(self)
 
     # -- one message ----------------------------------------------------------------------------------
 
@@ -371,8 +421,50 @@ class Connection(LanguageServer):
         docs = self.workspace.text_documents
         doc = docs.get(uri) or docs.get(unquote(uri))
         if doc is None:
+            if (reason := self.refused.get(unquote(uri))) is not None:
+                raise RpcError(ErrorCode.INVALID_PARAMS, f"{uri} is not open: it was refused ({reason})")
             raise RpcError(ErrorCode.INVALID_PARAMS, f"{uri} is not open: send textDocument/didOpen first")
         return doc
+
+    @property
+    def documents(self) -> dict[str, TextDocument]:
+        """This connection's open buffers (pygls's store, keyed by unquoted URI)."""
+        return self.workspace.text_documents if self.initialized else {}
+
+    def document_refusal(self, uri: str, text: str, *, opening: bool = False) -> str | None:
+        """Why a buffer may not be stored, or None: over the workspace's size limit for files, or
+        (a document not yet open here) past the limits on open documents."""
+        limit = self.app.workspace.max_file_bytes
+        size = len(text.encode("utf-8", errors="replace"))
+        if size > limit:
+            return f"{size} bytes, over the {limit}-byte limit on documents"
+        if opening and unquote(uri) not in self.documents:
+            if len(self.documents) >= MAX_DOCUMENTS_PER_CONNECTION:
+                return (f"this connection has {MAX_DOCUMENTS_PER_CONNECTION} documents open, the most "
+                        "one connection may (MAX_DOCUMENTS_PER_CONNECTION): close some first")
+            if self.service.open_documents() >= MAX_DOCUMENTS:
+                return (f"the daemon's connections have {MAX_DOCUMENTS} documents open, the most it "
+                        "holds (MAX_DOCUMENTS): close some first")
+        return None
+
+    def refuse_document(self, uri: str, reason: str) -> None:
+        """Log the refusal, keep its reason for ghost-text requests, and close the document if it
+        was open (a change made it too large)."""
+        log.warning("%s: document %s refused: %s", self.name, uri, reason)
+        key = unquote(uri)
+        self.refused.pop(key, None)
+        self.refused[key] = reason
+        if len(self.refused) > MAX_DOCUMENTS_PER_CONNECTION:
+            del self.refused[next(iter(self.refused))]
+        if key in self.documents:
+            self.workspace.remove_text_document(uri)
+            self.forget_document(uri)
+
+    def forget_document(self, uri: str) -> None:
+        """A document is closed (pygls dropped it): stop its ghost text, unindex its buffer."""
+        if (task := self.inline.pop(uri, None)) is not None:
+            task.cancel()
+        self.service.index_document(self, uri, None)
 
     def supersede(self, uri: str) -> None:
         """Editors ask on every keystroke: a new request for a document ends the one before."""
@@ -428,21 +520,20 @@ def shutdown(ls: Connection, params: Any = None) -> None:
 
 @feature(lsp.TEXT_DOCUMENT_DID_OPEN)
 def did_open(ls: Connection, params: lsp.DidOpenTextDocumentParams) -> None:
-    ls.service.index_document(params.text_document.uri, params.text_document.text)
+    ls.service.index_document(ls, params.text_document.uri, params.text_document.text)
 
 
 @feature(lsp.TEXT_DOCUMENT_DID_CHANGE)
 def did_change(ls: Connection, params: lsp.DidChangeTextDocumentParams) -> None:
     uri = params.text_document.uri
-    ls.service.index_document(uri, ls.open_document(uri).source)  # pygls applied the change
+    ls.service.index_document(ls, uri, ls.open_document(uri).source)  # pygls applied the change
 
 
 @feature(lsp.TEXT_DOCUMENT_DID_CLOSE)
 def did_close(ls: Connection, params: lsp.DidCloseTextDocumentParams) -> None:
     uri = params.text_document.uri
-    if (task := ls.inline.pop(uri, None)) is not None:
-        task.cancel()
-    ls.service.index_document(uri, None)
+    ls.refused.pop(unquote(uri), None)
+    ls.forget_document(uri)
 
 
 @feature("warmspec/didRead")
@@ -531,8 +622,9 @@ class RpcService:
         # One thread, in order: tokenizing a large file must not stall the event loop, and a
         # document's changes must be indexed in the order they were made.
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="warmspec-index")
-        self._pending: dict[str, str | None] = {}
+        self._pending: dict[tuple[str, str], str | None] = {}  # (connection, uri) -> newest text
         self._pending_lock = threading.Lock()
+        self._closing = False
 
     # -- listeners ------------------------------------------------------------------------------------
 
@@ -571,6 +663,7 @@ class RpcService:
         return accept
 
     async def close(self) -> None:
+        self._closing = True
         for server in self._servers:
             server.close()
         for conn in list(self.connections):
@@ -599,26 +692,43 @@ class RpcService:
             except WorkspaceError as e:
                 log.info("%s: %s", name, e)
 
-    def index_document(self, uri: str, text: str | None) -> None:
-        """Record an editor buffer (None: closed) into the workspace, coalescing a burst of
-        changes into one re-index of the newest text."""
+    def index_document(self, conn: Connection, uri: str, text: str | None) -> None:
+        """Record a connection's editor buffer (None: closed) into the workspace, coalescing a
+        burst of changes into one re-index of the newest text."""
+        key = (conn.name, uri)
         with self._pending_lock:
-            queued = uri in self._pending
-            self._pending[uri] = text
+            queued = key in self._pending
+            self._pending[key] = text
         if not queued:
-            self._indexer.submit(self._index_pending, uri)
+            self._indexer.submit(self._index_pending, key)
 
-    def _index_pending(self, uri: str) -> None:
+    def _index_pending(self, key: tuple[str, str]) -> None:
         ws = self.app.workspace
+        owner, uri = key
         with self._pending_lock:
-            text = self._pending.pop(uri)
+            text = self._pending.pop(key)
         try:
             if text is None:
-                ws.did_close(uri)
+                ws.did_close(uri, owner)
             else:
-                ws.did_open(uri, text)
+                ws.did_open(uri, text, owner)
         except WorkspaceError as e:  # still served inline completions; just not a drafting source
             log.debug("not indexed: %s", e)
+
+    def open_documents(self) -> int:
+        """Documents open over all connections (each counts its own)."""
+        return sum(len(c.documents) for c in self.connections)
+
+    def release_documents(self, conn: Connection) -> None:
+        """A connection ended: close what it left open, after its pending changes (same thread,
+        in order), so the watcher follows those files on disk again. Not once the service is
+        closing: the indexer is shut down, and so is the daemon."""
+        if not self._closing:
+            self._indexer.submit(self._release, conn.name)
+
+    def _release(self, owner: str) -> None:
+        if released := self.app.workspace.release(owner):
+            log.info("%s: closed %d documents it left open", owner, released)
 
     async def did_read(self, params: wire.DidReadParams) -> wire.DidReadResult:
         ws = self.app.workspace
