@@ -505,6 +505,34 @@ def indexed(ws, path: Path) -> str:
     return next(bytes(idx.tokens).decode() for idx, _ in ws.sources() if idx.name == str(path.resolve()))
 
 
+def test_a_chat_naming_unreadable_files_in_tool_calls_still_runs(tiny_daemon, monkeypatch, caplog):
+    """Files a tool call names that cannot be read -- no permission (simulated: tests run as root,
+    see test_workspace.unreadable), a directory, a broken symlink -- are skipped, the unreadable
+    one with a warning; the readable one is indexed and the chat answers (it failed with an
+    internal error, and so would every later turn of the conversation)."""
+    from test_workspace import unreadable
+
+    d = tiny_daemon
+    good, locked, folder, broken = (d.root / n for n in ("good.py", "locked.py", "folder", "broken.py"))
+    good.write_text("def good():\n    return 1\n")
+    locked.write_text("def locked():\n    return 2\n")
+    folder.mkdir()
+    broken.symlink_to(d.root / "missing.py")
+    unreadable(monkeypatch, locked)
+    calls = [ToolCall(id=f"call_{i}", function=FunctionCall(name="read_file", arguments={"path": str(p)}))
+             for i, p in enumerate((locked, folder, broken, good))]
+    messages = [wire.Message(role="user", content="Read these files."),
+                wire.Message(role="assistant", content="", tool_calls=calls),
+                *(wire.Message(role="tool", content="...", tool_call_id=c.id) for c in calls)]
+    with d.client() as c:
+        result = c.call("warmspec/chat", wire.ChatParams(messages=messages, max_tokens=2, temperature=0.0),
+                        wire.GenerateResult)
+    assert result.finish_reason in ("stop", "length")
+    assert d.app.workspace.files == [good.resolve()]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("locked.py cannot be read" in w for w in warnings), warnings
+
+
 # -- warmspec's client over the socket -----------------------------------------------------------------
 
 

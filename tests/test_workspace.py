@@ -105,6 +105,46 @@ def test_live_update_on_disk_change(tree):
         ws.stop()
 
 
+def unreadable(monkeypatch, path: Path) -> None:
+    """Make reading ``path`` fail as a file without read permission does. Tests run as root here,
+    which reads a chmod 000 file anyway, so ``Path.read_bytes`` is patched to raise the
+    PermissionError an ordinary user gets."""
+    real_read, locked = Path.read_bytes, path.resolve()
+
+    def read_bytes(self):
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+
+
+def test_the_watcher_survives_an_unreadable_file(tree, monkeypatch, caplog):
+    """An unreadable read file, changed on disk, is dropped with a warning; the watcher's thread
+    lives on and re-indexes the next change (before, the error killed it, silently)."""
+    ws = make(tree)
+    ws.did_read("src/app.py")
+    ws.did_read("src/util.py")
+    unreadable(monkeypatch, tree / "src" / "app.py")
+    ws.watch()
+    try:
+        (tree / "src" / "app.py").write_text("def main():\n    pass\n")
+        new = "def helper(x):\n    return x * 5\n"
+        (tree / "src" / "util.py").write_text(new)
+
+        def util_text():
+            return next(bytes(i.tokens).decode() for i, _ in ws.sources() if i.name.endswith("util.py"))
+
+        deadline = time.time() + 15
+        while util_text() != new and time.time() < deadline:
+            time.sleep(0.05)
+        assert util_text() == new
+        assert (tree / "src" / "app.py").resolve() not in ws.files
+        assert any(r.levelname == "WARNING" and "app.py cannot be read" in r.getMessage() for r in caplog.records)
+    finally:
+        ws.stop()
+
+
 def test_add_root_while_watching(tree):
     """A root added at runtime (an editor's project) has its .gitignore and is watched."""
     other = tree.parent / "elsewhere"

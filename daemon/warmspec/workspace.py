@@ -52,7 +52,13 @@ PRIORITY_READ = 1  # read earlier, by anyone
 
 
 class WorkspaceError(ValueError):
-    """A path the daemon refuses: outside the roots, ignored, binary or too large."""
+    """A path the daemon refuses: outside the roots, ignored, missing, binary or too large."""
+
+
+class UnreadableFile(WorkspaceError):
+    """A file that is there but cannot be read (permissions, I/O errors): worth a warning, where
+    the other refusals are routine. Never fatal to the request or thread that met it -- a chat
+    naming it in a tool call (agents resend every turn) or the watcher's thread."""
 
 
 def _mtime(path: Path) -> float | None:
@@ -253,13 +259,20 @@ class Workspace:
     def _read_disk(self, path: Path) -> str:
         try:
             size = path.stat().st_size
+        except FileNotFoundError:
+            raise WorkspaceError(f"{path}: no such file") from None
         except OSError as e:
-            raise WorkspaceError(f"{path}: {e.strerror}") from None
+            raise UnreadableFile(f"{path}: {e.strerror}") from None
         if not path.is_file():
             raise WorkspaceError(f"{path} is not a file")
         if size > self.max_file_bytes:
             raise WorkspaceError(f"{path} is larger than {self.max_file_bytes} bytes")
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise WorkspaceError(f"{path}: no such file") from None
+        except OSError as e:  # e.g. no permission, or replaced by a directory since the stat
+            raise UnreadableFile(f"{path} cannot be read: {e.strerror}") from None
         if b"\x00" in data[:8192]:
             raise WorkspaceError(f"{path} is binary")
         return data.decode("utf-8", errors="replace")
@@ -341,10 +354,11 @@ class Workspace:
                 return
         try:
             text = self._read_disk(real)
-        except WorkspaceError:
+        except WorkspaceError as e:  # on the watcher's thread: it must live on
             with self._lock:
                 self._entries.pop(real, None)
-            log.info("workspace: %s is gone or unreadable; dropped from the index", real)
+            log.log(logging.WARNING if isinstance(e, UnreadableFile) else logging.INFO,
+                    "workspace: dropped %s from the index: %s", real, e)
             return
         tokens = self.tokenizer.encode(text)
         with self._write_lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,8 +18,10 @@ from warmspec_protocol import Message, ModelInfo, SamplingParams, Status
 from .. import blas
 from ..engine import Engine, EngineError
 from ..model import LoadedModel
-from ..workspace import Workspace, WorkspaceError
+from ..workspace import UnreadableFile, Workspace, WorkspaceError
 from .scheduler import PRIORITY_NORMAL, Job, Scheduler
+
+log = logging.getLogger("warmspec.app")
 
 
 # Argument names under which coding agents' file tools pass the file they read or write.
@@ -87,7 +90,9 @@ class App:
     def note_tool_reads(self, messages: Sequence[Message], conversation: str) -> int:
         """Index the workspace files that the chat's tool calls name (``path``, ``file_path``, ...):
         an agent reads a file through a tool and then writes its new version, copying most of it.
-        The file is read from disk, not from the tool result, which may be numbered or cut."""
+        The file is read from disk, not from the tool result, which may be numbered or cut. A path
+        the workspace refuses is skipped -- an unreadable file with a warning: agents resend the
+        history every turn, so failing the chat for it would fail every later turn too."""
         seen = 0
         for m in messages:
             for call in m.tool_calls or []:
@@ -104,8 +109,10 @@ class App:
                         try:
                             self.workspace.did_read(args[key], conversation=conversation)
                             seen += 1
-                        except WorkspaceError:
-                            pass  # not a readable workspace file: nothing to index
+                        except UnreadableFile as e:
+                            log.warning("tool call's file not indexed: %s", e)
+                        except WorkspaceError as e:  # outside the roots, ignored, missing...
+                            log.debug("tool call's file not indexed: %s", e)
         return seen
 
     def text_prompt(self, prompt: str) -> list[int]:
