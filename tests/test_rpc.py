@@ -533,6 +533,31 @@ def test_a_chat_naming_unreadable_files_in_tool_calls_still_runs(tiny_daemon, mo
     assert any("locked.py cannot be read" in w for w in warnings), warnings
 
 
+def test_a_failing_indexer_job_is_logged_loudly(tiny_daemon, monkeypatch, caplog):
+    """Indexing a document is a job on the indexer thread that nobody waits for: a failure other
+    than WorkspaceError (a bug) is logged as an error with its traceback, not lost in an unread
+    future, and the indexer goes on with the next job."""
+    d = tiny_daemon
+    ws = d.app.workspace
+    uri = (d.root / "doc.py").as_uri()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the tokenizer broke")
+
+    with d.client() as c:
+        monkeypatch.setattr(ws, "did_open", broken)
+        open_doc(c, uri, "x = 1\n")
+        synced(d, c)
+        wait_until(lambda: any(r.levelname == "ERROR" and "the tokenizer broke" in r.getMessage()
+                               for r in caplog.records), "the failure to be logged")
+        monkeypatch.undo()
+        change_doc(c, uri, "x = 2\n")
+        synced(d, c)
+        assert ws.document_text(uri) == "x = 2\n"
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "_index_pending" in record.getMessage() and record.exc_info is not None
+
+
 # -- warmspec's client over the socket -----------------------------------------------------------------
 
 

@@ -68,6 +68,39 @@ def test_refused_paths(tree, path, reason):
     assert not ws.files
 
 
+def test_nested_gitignore_files_apply_below_their_directory(tree):
+    """Each .gitignore's patterns are relative to its own directory, as git reads them: unanchored
+    ones match at any depth below it, anchored ones (a leading or inner slash) only there, and
+    nothing outside it. A change to one applies to the next path resolved."""
+    src = tree / "src"
+    (src / ".gitignore").write_text("# generated code\ngenerated/\nsecret_*.py\n/local.py\ncache/*.py\n!keep.py\n")
+    files = ["src/generated/x.py", "src/secret_key.py", "src/sub/secret_b.py", "src/local.py",
+             "src/cache/c.py", "src/sub/local.py", "src/sub/cache/c.py", "other/secret_key.py",
+             "other/local.py", "src/keep.py"]
+    for rel in files:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(f"# {rel}\n")
+    ws = make(tree)
+    refused = []
+    for rel in files:
+        try:
+            ws.did_read(rel)
+        except WorkspaceError as e:
+            assert "ignored" in str(e)
+            refused.append(rel)
+    assert refused == ["src/generated/x.py", "src/secret_key.py", "src/sub/secret_b.py", "src/local.py",
+                       "src/cache/c.py"]
+    with pytest.raises(WorkspaceError, match="ignored"):
+        ws.did_read("build/out.py")  # the root's still applies
+    (src / "sub" / ".gitignore").write_text("*.py\n")
+    with pytest.raises(WorkspaceError, match="ignored"):
+        ws.did_read("src/sub/local.py")
+    (src / ".gitignore").write_text("keep.py\n")  # changed: the old patterns are gone
+    ws.did_read("src/secret_key.py")
+    with pytest.raises(WorkspaceError, match="ignored"):
+        ws.did_read("src/keep.py")
+
+
 def test_size_limit(tree):
     ws = make(tree, max_file_bytes=10)
     with pytest.raises(WorkspaceError, match="larger"):

@@ -4,7 +4,7 @@ An agent editing a file copies most of the file it just read; the drafter finds 
 A file enters the index when a client reports reading it (``warmspec/didRead``, ``didOpen`` /
 ``didChange``, ``ask -f``, file contents seen in a chat's tool results). Paths must resolve inside
 a workspace root (symlinks included); binary files, files over ``max_file_bytes`` and ``.gitignore``d
-paths are refused. Indexes are dropped least-recently-read first beyond ``budget_bytes``.
+paths are refused (see ``Workspace.ignored``). Indexes are dropped least-recently-read first beyond ``budget_bytes``.
 
 Roots are the daemon's ``--workspace`` directories, plus the projects editors name when they connect
 over the socket or stdio (``add_root``). A watcher (watchdog) keeps read files current when they
@@ -86,12 +86,13 @@ def path_from_uri(path_or_uri: str) -> str:
     return path_or_uri
 
 
-def _gitignore_patterns(root: Path) -> list[str]:
-    f = root / ".gitignore"
-    if not f.is_file():
-        return []
+def _gitignore_patterns(f: Path) -> list[str]:
+    try:
+        text = f.read_text(errors="replace")
+    except OSError as e:  # fail closed: what it would ignore might be secret
+        raise UnreadableFile(f"{f} cannot be read ({e.strerror}): paths under it are refused") from None
     out = []
-    for line in f.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith(("#", "!")):
             out.append(line)
@@ -127,7 +128,8 @@ class Workspace:
         self._entries: OrderedDict[Path, _Entry] = OrderedDict()  # least recently read first
         # open editor buffers (may differ from disk): path -> {owner: text}, newest text last
         self._documents: dict[Path, dict[str, str]] = {}
-        self._ignore = {r: [".git", *_gitignore_patterns(r)] for r in self.roots}
+        # directory -> (its .gitignore's stat, patterns): re-read when the file changes
+        self._gitignores: dict[Path, tuple[tuple[int, int, int], list[str]]] = {}
         self._lock = threading.RLock()  # the entry table: held for lookups and swaps only
         # Serializes index changes, so each derives from the newest index of its file; held while
         # deriving (never while tokenizing), never by the engine thread.
@@ -158,7 +160,6 @@ class Workspace:
         with self._lock:
             if any(real == r or r in real.parents for r in self.roots):
                 return False
-            self._ignore[real] = [".git", *_gitignore_patterns(real)]
             self.roots = [*self.roots, real]  # a new list: resolve() reads it without the lock
         log.info("workspace: added root %s", real)
         with self._watch_lock:
@@ -183,11 +184,49 @@ class Workspace:
         real = Path(os.path.realpath(p))
         for root in self.roots:
             if real == root or root in real.parents:
-                rel = real.relative_to(root).as_posix()
-                if _ignored(rel, self._ignore[root]):
+                if self.ignored(root, real):
                     raise WorkspaceError(f"{raw} is ignored (.gitignore)")
                 return real
         raise WorkspaceError(f"{raw} is outside the workspace roots")
+
+    def ignored(self, root: Path, real: Path) -> bool:
+        """Whether git would ignore ``real`` (a path under ``root``): anything in ``.git``, and the
+        patterns of every ``.gitignore`` from the root down to the file's directory, each relative
+        to the directory it is in, as git reads them (a slash at the start or in the middle
+        anchors a pattern there; one without matches a name at any depth below). Not supported:
+        negation (``!`` lines are skipped, so what they would re-include stays ignored -- the
+        safe side), telling ``dir/`` from a file of that name, ``.git/info/exclude`` and the
+        global excludes file."""
+        parts = real.relative_to(root).parts
+        if ".git" in parts:
+            return True
+        for i in range(len(parts)):  # the root, then each directory down to the file's
+            directory = root.joinpath(*parts[:i])
+            if _ignored("/".join(parts[i:]), self._gitignore(directory)):
+                return True
+        return False
+
+    def _gitignore(self, directory: Path) -> list[str]:
+        """The patterns of ``directory/.gitignore`` (none if there is none), cached until the file
+        changes (its mtime, size or inode)."""
+        f = directory / ".gitignore"
+        try:
+            st = f.stat()
+        except (FileNotFoundError, NotADirectoryError):  # e.g. a directory not yet created
+            return []
+        except OSError as e:
+            raise UnreadableFile(f"{f}: {e.strerror}: paths under it are refused") from None
+        if not f.is_file():
+            return []
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        with self._lock:
+            cached = self._gitignores.get(directory)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        patterns = _gitignore_patterns(f)
+        with self._lock:
+            self._gitignores[directory] = (key, patterns)
+        return patterns
 
     # -- reads and documents ----------------------------------------------------------------------
 

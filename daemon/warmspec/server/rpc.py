@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Literal
 from urllib.parse import unquote
@@ -682,7 +682,14 @@ class RpcService:
             log.info("%s: workspace roots %s not added: only --workspace roots count over TCP",
                      conn.name, ", ".join(roots))
             return
-        self._indexer.submit(self._add_roots, conn.name, roots).add_done_callback(_log_failure)
+        self._index_job(self._add_roots, conn.name, roots)
+
+    def _index_job(self, fn: Callable, *args: Any) -> None:
+        """Queue ``fn(*args)`` on the indexer thread. Nobody waits for these jobs, so a failure
+        (anything but the WorkspaceError each job handles itself) is logged with its traceback
+        here -- never dropped with an unread future. (didRead's job is awaited: its failure is
+        the request's.)"""
+        self._indexer.submit(fn, *args).add_done_callback(partial(_log_failure, f"{fn.__name__}{args!r}"))
 
     def _add_roots(self, name: str, roots: list[str]) -> None:
         for root in roots:
@@ -700,7 +707,7 @@ class RpcService:
             queued = key in self._pending
             self._pending[key] = text
         if not queued:
-            self._indexer.submit(self._index_pending, key)
+            self._index_job(self._index_pending, key)
 
     def _index_pending(self, key: tuple[str, str]) -> None:
         ws = self.app.workspace
@@ -724,7 +731,7 @@ class RpcService:
         in order), so the watcher follows those files on disk again. Not once the service is
         closing: the indexer is shut down, and so is the daemon."""
         if not self._closing:
-            self._indexer.submit(self._release, conn.name)
+            self._index_job(self._release, conn.name)
 
     def _release(self, owner: str) -> None:
         if released := self.app.workspace.release(owner):
@@ -749,10 +756,10 @@ class RpcService:
         return ws.did_read(params.path, params.text, params.conversation)
 
 
-def _log_failure(future: Future) -> None:
+def _log_failure(job: str, future: Future) -> None:
     """Log what a job on the indexer thread raised: nobody waits on its future."""
     if not future.cancelled() and (error := future.exception()) is not None:
-        log.error("indexer job failed", exc_info=error)
+        log.error("indexer job %s failed: %s", job, error, exc_info=error)
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
