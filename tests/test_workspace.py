@@ -73,7 +73,8 @@ def test_nested_gitignore_files_apply_below_their_directory(tree):
     ones match at any depth below it, anchored ones (a leading or inner slash) only there, and
     nothing outside it. A change to one applies to the next path resolved."""
     src = tree / "src"
-    (src / ".gitignore").write_text("# generated code\ngenerated/\nsecret_*.py\n/local.py\ncache/*.py\n!keep.py\n")
+    (src / ".gitignore").write_text("# generated code\ngenerated/\nsecret_*.py\n/local.py\ncache/*.py\n"
+                                    "!keep.py\n")
     files = ["src/generated/x.py", "src/secret_key.py", "src/sub/secret_b.py", "src/local.py",
              "src/cache/c.py", "src/sub/local.py", "src/sub/cache/c.py", "other/secret_key.py",
              "other/local.py", "src/keep.py"]
@@ -173,7 +174,8 @@ def test_the_watcher_survives_an_unreadable_file(tree, monkeypatch, caplog):
             time.sleep(0.05)
         assert util_text() == new
         assert (tree / "src" / "app.py").resolve() not in ws.files
-        assert any(r.levelname == "WARNING" and "app.py cannot be read" in r.getMessage() for r in caplog.records)
+        assert any(r.levelname == "WARNING" and "app.py cannot be read" in r.getMessage()
+                   for r in caplog.records)
     finally:
         ws.stop()
 
@@ -226,19 +228,23 @@ def test_open_buffer_wins_over_disk(tree):
     assert bytes(ws.sources()[0][0].tokens).decode() == "edited in the editor\n"
 
 
+def table(index: NgramIndex) -> dict:
+    return {k: list(v) for k, v in index.ends.items()}
+
+
 def test_derived_index_matches_fresh_index_and_leaves_the_old_one_alone():
     a = tokens_of("def f(x):\n    return x + 1\n\ndef g(y):\n    return y * 2\n" * 3)
     b = a[:50] + tokens_of("# changed\n") + a[50:]
     idx = NgramIndex(a)
-    before = {k: list(v) for k, v in idx.ends.items()}
+    before = table(idx)
     derived = idx.derive(b)
     fresh = NgramIndex(b)
     assert derived.tokens == fresh.tokens
-    assert {k: list(v) for k, v in derived.ends.items()} == {k: list(v) for k, v in fresh.ends.items()}
-    assert idx.tokens == a and {k: list(v) for k, v in idx.ends.items()} == before
+    assert table(derived) == table(fresh)
+    assert idx.tokens == a and table(idx) == before
     assert idx.derive(list(a)) is idx  # nothing changed: nothing built
     shorter = derived.derive(b[:40])  # cut back before the earlier change, then grown again
-    assert {k: list(v) for k, v in shorter.derive(a).ends.items()} == {k: list(v) for k, v in idx.ends.items()}
+    assert table(shorter.derive(a)) == table(idx)
 
     rng = random.Random(0)  # random edits: each derived index equals a fresh one
     tokens = [rng.randrange(256) for _ in range(2000)]
@@ -247,7 +253,7 @@ def test_derived_index_matches_fresh_index_and_leaves_the_old_one_alone():
         at, cut = rng.randrange(len(tokens)), rng.randrange(20)
         tokens = tokens[:at] + [rng.randrange(256) for _ in range(rng.randrange(20))] + tokens[at + cut:]
         current = current.derive(tokens)
-        assert {k: list(v) for k, v in current.ends.items()} == {k: list(v) for k, v in NgramIndex(tokens).ends.items()}
+        assert table(current) == table(NgramIndex(tokens))
 
 
 def test_editing_an_open_document_while_drafting_from_it(tree):

@@ -4,7 +4,8 @@ An agent editing a file copies most of the file it just read; the drafter finds 
 A file enters the index when a client reports reading it (``warmspec/didRead``, ``didOpen`` /
 ``didChange``, ``ask -f``, file contents seen in a chat's tool results). Paths must resolve inside
 a workspace root (symlinks included); binary files, files over ``max_file_bytes`` and ``.gitignore``d
-paths are refused (see ``Workspace.ignored``). Indexes are dropped least-recently-read first beyond ``budget_bytes``.
+paths are refused (``Workspace.ignored`` says how git's rules are read). Indexes are dropped
+least-recently-read first beyond ``budget_bytes``.
 
 Roots are the daemon's ``--workspace`` directories, plus the projects editors name when they connect
 over the socket or stdio (``add_root``). A watcher (watchdog) keeps read files current when they
@@ -22,7 +23,8 @@ up to the first changed token; the entry's reference is swapped under the lock (
 Measured on this CPU (SmolLM2's tokenizer, best of 3, index work only): a one-line edit in the
 middle of a 4 KB file (1.6k tokens) re-indexes in ~1 ms, as before; in a 1 MB file (500k tokens)
 an edit near its end takes 11 ms (53 ms before, in place and racing the drafter: the old
-common-prefix scan ran in Python), in the middle 390 ms (520 ms), near its start 1.0 s (0.9 s). Tokenizing that 1 MB file takes ~2.5 s, more than any of them.
+common-prefix scan ran in Python), in the middle 390 ms (520 ms), near its start 1.0 s (0.9 s).
+Tokenizing that 1 MB file takes ~2.5 s, more than any of them.
 """
 
 from __future__ import annotations
