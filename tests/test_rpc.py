@@ -20,7 +20,7 @@ from warmspec.client import Client, RpcError
 from warmspec.engine import Delta, Engine
 from warmspec.gate import CostTable
 from warmspec.server.app import App, Limits
-from warmspec.server.inline import CompletionCache, cursor_context
+from warmspec.server.inline import CompletionCache, Window, cursor_context
 from warmspec.server.rpc import RpcService
 from warmspec.server.scheduler import Job
 from warmspec.workspace import PRIORITY_CONVERSATION
@@ -261,11 +261,105 @@ def test_cursor_context_cuts_at_lines():
 
 def test_completion_cache_serves_typed_through_suggestion():
     cache = CompletionCache()
-    cache.store("x = ", "\n", "compute(1)")
-    assert cache.lookup("x = ", "\n") == "compute(1)"
-    assert cache.lookup("x = comp", "\n") == "ute(1)"
-    assert cache.lookup("x = cx", "\n") is None  # typed something else
-    assert cache.lookup("x = ", "y\n") is None  # a different suffix
+
+    def at(prefix: str, suffix: str = "\n", uri: str = "file:///a.py", max_tokens: int = 8) -> Window:
+        return Window(uri=uri, prefix=prefix, suffix=suffix, model="m", max_tokens=max_tokens, stop=("\n\n",))
+
+    cache.store(at("x = "), "compute(1)")
+    assert cache.lookup(at("x = ")) == "compute(1)"
+    assert cache.lookup(at("x = comp")) == "ute(1)"
+    assert cache.lookup(at("x = cx")) is None  # typed something else
+    assert cache.lookup(at("x = ", "y\n")) is None  # a different suffix
+    assert cache.lookup(at("x = ", uri="file:///b.py")) is None  # another document
+    assert cache.lookup(at("x = ", max_tokens=9)) is None  # other settings
+    assert cache.lookup(at("# a\nx = ")) is None  # the window holds more text above
+
+
+def inline_at_end(client: LanguageClient, uri: str, src: str):
+    lines = src.split("\n")
+    return client.text_document_inline_completion_async(lsp.InlineCompletionParams(
+        text_document=lsp.TextDocumentIdentifier(uri=uri), position=lsp.Position(line=len(lines) - 1,
+                                                                                 character=len(lines[-1])),
+        context=lsp.InlineCompletionContext(trigger_kind=lsp.InlineCompletionTriggerKind.Invoked)))
+
+
+def ghost_alone(daemon: InProcessDaemon, uri: str, src: str, max_tokens: int) -> str:
+    """The suggestion at the end of ``src`` computed without the cache: the job, run alone."""
+    ghost = daemon.service.ghost
+    window = ghost.window(uri, src, len(src), wire.InlineCompletionSettings(max_tokens=max_tokens))
+    return daemon.run(_run_job(daemon, ghost.job(window, label="alone")))
+
+
+# Long enough that the prompt's 4096-character window reaches far above the last 512 characters.
+FILLER = "".join(f"limit_{i} = {i} * 16  # bytes\n" for i in range(30))
+TAIL = "\n\ndef total_limit():\n    return "
+
+
+@pytest.fixture(scope="module")
+def tiny_daemon(tmp_path_factory):
+    """A daemon around a tiny random-weight model (byte tokenizer): prompts of thousands of
+    characters cost milliseconds."""
+    import tiny
+
+    d = InProcessDaemon(tiny.build("llama"), tmp_path_factory.mktemp("tiny"))
+    yield d
+    d.close()
+
+
+def test_ghost_text_after_an_edit_far_above_the_cursor_is_not_stale(tiny_daemon):
+    """An edit 800 characters above the cursor is inside the prompt's window: the suggestion
+    for the old text must not be served for the new one (it was, while the cache compared only
+    the last 512 characters before the cursor)."""
+    daemon = tiny_daemon
+    uri = (daemon.root / "limits.py").as_uri()
+    before = "# Memory limits, in bytes.\n" + FILLER + TAIL
+    after = "# Time limits, in seconds.\nTIMEOUT = 30\n" + FILLER + TAIL
+    assert len(before) - len(TAIL) > 512 * 1.5 and len(after) < 4096
+
+    async def scenario():
+        client, _ = await lsp_client(daemon, inlineCompletion={"maxTokens": 4})
+        client.text_document_did_open(lsp.DidOpenTextDocumentParams(
+            text_document=lsp.TextDocumentItem(uri=uri, language_id="python", version=1, text=before)))
+        await inline_at_end(client, uri, before)
+        client.text_document_did_change(lsp.DidChangeTextDocumentParams(
+            text_document=lsp.VersionedTextDocumentIdentifier(uri=uri, version=2),
+            content_changes=[lsp.TextDocumentContentChangeWholeDocument(text=after)]))
+        hits = daemon.service.ghost.cache.hits
+        got = await inline_at_end(client, uri, after)
+        misses = daemon.service.ghost.cache.hits == hits
+        await close(client)
+        return got, misses
+
+    got, missed = asyncio.run(scenario())
+    assert missed, "served the suggestion cached for the text before the edit"
+    assert [i.insert_text for i in got.items] == [t for t in [ghost_alone(daemon, uri, after, 4)] if t]
+
+
+def test_ghost_text_is_not_served_from_another_document(tiny_daemon):
+    """Two documents that end in the same 800 characters but differ above: the second one's
+    suggestion is its own, not the first one's from the cache."""
+    daemon = tiny_daemon
+    one, two = (daemon.root / "one.py").as_uri(), (daemon.root / "two.py").as_uri()
+    texts = {one: "# Network limits.\nimport socket\n" + FILLER + TAIL,
+             two: "# Disk limits.\nimport shutil\n" + FILLER + TAIL}
+
+    async def scenario():
+        client, _ = await lsp_client(daemon, inlineCompletion={"maxTokens": 4})
+        for uri, text in texts.items():
+            client.text_document_did_open(lsp.DidOpenTextDocumentParams(
+                text_document=lsp.TextDocumentItem(uri=uri, language_id="python", version=1, text=text)))
+        await inline_at_end(client, one, texts[one])
+        hits = daemon.service.ghost.cache.hits
+        got = await inline_at_end(client, two, texts[two])
+        missed = daemon.service.ghost.cache.hits == hits
+        again = await inline_at_end(client, two, texts[two])
+        await close(client)
+        return got, missed, again, daemon.service.ghost.cache.hits - hits
+
+    got, missed, again, hits = asyncio.run(scenario())
+    assert missed, "served the suggestion cached for another document"
+    assert [i.insert_text for i in got.items] == [t for t in [ghost_alone(daemon, two, texts[two], 4)] if t]
+    assert again == got and hits == 1  # its own answer is cached
 
 
 def test_chat_indexes_the_files_its_tool_calls_read(daemon):

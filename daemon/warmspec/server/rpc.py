@@ -48,7 +48,7 @@ from ..engine import Delta, EngineError, Finished
 from ..workspace import WorkspaceError, path_from_uri
 from .app import App
 from .framing import HEADER_LIMIT, FrameError, frame, read_frame
-from .inline import GhostText, cursor_context
+from .inline import GhostText
 from .scheduler import PRIORITY_NORMAL, Job, Ticket
 
 log = logging.getLogger("warmspec.rpc")
@@ -489,14 +489,13 @@ async def inline_completion(ls: Connection, params: lsp.InlineCompletionParams) 
     doc = ls.open_document(uri)
     offset = doc.offset_at_position(params.position)
     ghost = ls.service.ghost
-    prefix, suffix = cursor_context(doc.source, offset, ls.settings.prefix_chars, ls.settings.suffix_chars)
-    if not prefix.strip():
+    window = ghost.window(doc.uri, doc.source, offset, ls.settings)
+    if not window.prefix.strip():
         return lsp.InlineCompletionList(items=[])  # nothing to continue yet
-    text = ghost.cache.lookup(prefix, suffix)
+    text = ghost.cache.lookup(window)
     if text is None:
         try:
-            job = ghost.job(prefix, suffix, max_tokens=ls.settings.max_tokens,
-                            label=f"{ls.name} #{ls.protocol.msg_id} inline")
+            job = ghost.job(window, label=f"{ls.name} #{ls.protocol.msg_id} inline")
         except EngineError as e:
             raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
         try:
@@ -507,7 +506,7 @@ async def inline_completion(ls: Connection, params: lsp.InlineCompletionParams) 
                 raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request for "
                                "this document replaced this one") from None
             raise
-        ghost.cache.store(prefix, suffix, text)
+        ghost.cache.store(window, text)
     if ls.inline.get(uri) is asyncio.current_task():
         del ls.inline[uri]
     here = lsp.Range(start=params.position, end=params.position)
