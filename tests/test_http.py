@@ -276,7 +276,8 @@ def test_raw_sse_framing(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     lines = [line for line in sse_lines(conn, "/v1/messages",
                                         {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
-                                         "max_tokens": 3, "stream": True}) if line.strip()]
+                                         "max_tokens": 3, "stream": True})
+             if line.strip() and not line.startswith(b":")]  # keep-alive comments come when the CPU is slow
     names = [line[7:].strip().decode() for line in lines if line.startswith(b"event: ")]
     assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
     for name, payload in zip(lines[0::2], lines[1::2]):  # every event line is followed by its data
@@ -450,6 +451,47 @@ def test_unknown_routes_methods_and_oversized_bodies(server):
     assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
     conn.close()
     assert "Paris" in chat(server, QUESTION, max_tokens=8)  # still serving
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """A server around a tiny random-weight model (byte tokenizer, 4096-token context), no key."""
+    import tiny
+
+    lm = tiny.build("llama")
+    srv = Server(App(lm, Engine(lm, costs=CostTable(COSTS))))
+    yield srv
+    srv.close()
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tiny_server, monkeypatch):
+    """A 1 MiB prompt (under the body limit) for a 4096-token context of one-character tokens:
+    400 in each API's format, the tokenizer never called; a full queue: 503, not tokenized either."""
+    tok = tiny_server.app.lm.tokenizer
+    calls = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    huge = "x" * (1 << 20)
+    refused = [tiny_server.post("/v1/completions", {"model": "m", "prompt": huge, "max_tokens": 1}, key=None),
+               tiny_server.post("/v1/chat/completions", {"model": "m", "max_tokens": 1,
+                                                         "messages": [{"role": "user", "content": huge}]}, key=None),
+               tiny_server.post("/v1/messages", {"model": "m", "max_tokens": 1,
+                                                 "messages": [{"role": "user", "content": huge}]}, key=None)]
+    assert calls == []
+    for (status, _, body), api in zip(refused, ("openai", "openai", "anthropic")):
+        reply = json.loads(body)
+        assert status == 400 and "cannot fit the context of 4096 tokens" in reply["error"]["message"], body
+        assert (reply.get("type") == "error") == (api == "anthropic")  # each API's error format
+    tiny_server.app.scheduler.max_queue = 0
+    try:
+        status, _, body = tiny_server.post("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1},
+                                           key=None)
+    finally:
+        tiny_server.app.scheduler.max_queue = 256
+    assert status == 503 and "queue full" in json.loads(body)["error"]["message"]
+    assert calls == []
+    status, _, body = tiny_server.post("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1}, key=None)
+    assert status == 200 and calls == [1]
 
 
 def test_health_and_metrics(server, default_lm):

@@ -582,3 +582,147 @@ def test_time_to_first_token_overhead(daemon, capsys):
               f"{med(in_process) * 1000:.1f} ms; added by the transport (paired) "
               f"median {med(paired) * 1000:.2f} ms, max {max(paired) * 1000:.2f} ms")
     assert all(p > 0 for p in paired)
+
+
+# -- limits before work ---------------------------------------------------------------------------------
+
+
+class EncodeSpy:
+    """Stands in for a tokenizer's ``encode``: counts calls, and while ``hold`` is set blocks in
+    them (``entered`` says one has begun) until ``release`` is set."""
+
+    def __init__(self, encode):
+        self.encode = encode
+        self.calls = 0
+        self.hold = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.hold:
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the tokenizer"
+        return self.encode(*args, **kwargs)
+
+
+@pytest.fixture
+def spied(tiny_daemon, monkeypatch):
+    tok = tiny_daemon.app.lm.tokenizer
+    spy = EncodeSpy(tok.encode)
+    monkeypatch.setattr(tok, "encode", spy)
+    yield spy
+    spy.release.set()
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tiny_daemon, spied):
+    """Longer than the context times the longest token (one character, for a byte tokenizer): refused
+    at once with a clear error, the tokenizer never called; and a full queue is refused before
+    tokenizing too."""
+    app = tiny_daemon.app
+    huge = "x" * (app.max_prompt_chars + 1)
+    with tiny_daemon.client() as c:
+        with pytest.raises(RpcError) as complete:
+            c.call("warmspec/complete", wire.CompleteParams(prompt=huge, max_tokens=2), wire.GenerateResult)
+        with pytest.raises(RpcError) as chat_:
+            c.call("warmspec/chat", chat(huge, 2), wire.GenerateResult)
+        assert spied.calls == 0
+        app.scheduler.max_queue = 0
+        try:
+            with pytest.raises(RpcError) as busy:
+                c.call("warmspec/complete", wire.CompleteParams(prompt="hello", max_tokens=2), wire.GenerateResult)
+        finally:
+            app.scheduler.max_queue = 256
+        assert c.call("warmspec/complete", wire.CompleteParams(prompt="hello", max_tokens=2),
+                      wire.GenerateResult).stats.prompt_tokens == 5
+    for e in (complete.value, chat_.value):
+        assert e.code == ErrorCode.INVALID_PARAMS and "cannot fit the context of 4096 tokens" in e.message, e
+    assert busy.value.code == ErrorCode.BUSY and "queue full" in busy.value.message
+    assert spied.calls == 1  # the last request only
+
+
+@pytest.mark.parametrize("method", ["warmspec/complete", "textDocument/inlineCompletion"])
+def test_tokenizing_one_request_does_not_stall_other_connections(tiny_daemon, spied, method):
+    """While one connection's prompt is being tokenized (held inside the tokenizer here), another
+    connection's warmspec/status is answered: the tokenizer runs off the event loop."""
+    uri = (tiny_daemon.root / "stall.py").as_uri()
+    text = "def stall():\n    return " + method
+    with tiny_daemon.client() as busy, tiny_daemon.client() as other:
+        if method == "warmspec/complete":
+            msg_id = busy.start(method, wire.CompleteParams(prompt=text, max_tokens=2))
+        else:
+            busy.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python",
+                                                                  "version": 1, "text": text}})
+            msg_id = busy.start(method, {"textDocument": {"uri": uri}, "position": {"line": 1, "character": 10},
+                                         "context": {"triggerKind": 1}})
+        spied.hold = True
+        assert spied.entered.wait(30), "the request never reached the tokenizer"
+        other.start("warmspec/status", None)
+        status = other.read(30)  # the tokenizer holds on for 60 s: this reply comes while it does
+        spied.release.set()
+        reply = busy.read(60)
+        while reply is not None and reply.id != msg_id:
+            reply = busy.read(60)
+    assert status is not None, "warmspec/status waited for another connection's tokenizing"
+    assert msgspec.convert(status.result, wire.Status).model.id == tiny_daemon.app.lm.name
+    assert reply is not None and reply.error is msgspec.UNSET
+
+
+def test_a_client_without_the_key_cannot_send_a_big_frame(tmp_path):
+    """Before the key is presented the daemon reads a frame the size of an initialize, not its
+    16 MiB body limit: a 1 MiB initialize -- with the right key, even -- is refused, the
+    connection closed; an ordinary one is served."""
+    import tiny
+
+    d = InProcessDaemon(tiny.build("llama"), tmp_path, api_key="k3y")
+    try:
+        big = {"processId": None, "capabilities": {"experimental": "x" * (1 << 20)},
+               "initializationOptions": {"apiKey": "k3y"}}
+        with Client.unix(d.socket, timeout=10) as c:
+            try:
+                c.send(wire.Request(id=1, method="initialize", params=big))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon hung up before reading it all
+            reply = c.read(10)
+            assert reply is not None and reply.error is not msgspec.UNSET, reply
+            assert reply.error.code == ErrorCode.INVALID_REQUEST and "over the limit" in reply.error.message
+            with pytest.raises(ConnectionError):
+                c.read(10)
+        with d.client() as c:  # initialized with the key: the full limit applies
+            prompt = "y" * (200 << 10)
+            assert c.call("warmspec/complete", wire.CompleteParams(prompt=prompt[:4000], max_tokens=1),
+                          wire.GenerateResult).stats.prompt_tokens == 4000
+            with pytest.raises(RpcError) as too_long:  # read, decoded and refused for its size
+                c.call("warmspec/complete", wire.CompleteParams(prompt=prompt, max_tokens=1), wire.GenerateResult)
+            assert "cannot fit" in too_long.value.message
+    finally:
+        d.close()
+
+
+def test_connections_over_the_limit_are_refused(tmp_path):
+    """``Limits.max_connections`` counts socket and TCP connections together; the one over it gets
+    a JSON-RPC error and is closed, and once one closes a new one is served."""
+    import tiny
+
+    d = InProcessDaemon(tiny.build("llama"), tmp_path, limits=Limits(max_connections=2))
+    try:
+        first = d.client()
+        second = Client.tcp("127.0.0.1", d.port, timeout=10)
+        second.initialize()
+        with Client.unix(d.socket, timeout=10) as third:
+            reply = third.read(10)
+            assert reply is not None and reply.error.code == ErrorCode.BUSY, reply
+            assert "too many connections" in reply.error.message
+            with pytest.raises(ConnectionError):
+                third.read(10)
+        assert second.call("warmspec/status", None, wire.Status).pid  # the two open ones are served
+        first.close()
+        deadline = time.monotonic() + 30
+        while d.service._open >= 2:
+            assert time.monotonic() < deadline, "the closed connection was never released"
+            time.sleep(0.05)
+        with d.client() as fourth:
+            assert fourth.call("warmspec/status", None, wire.Status).pid
+        second.close()
+    finally:
+        d.close()

@@ -363,6 +363,7 @@ def _single_choice(n: int | None) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, oai.ChatCompletionRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     _single_choice(req.n)
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
@@ -377,6 +378,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, oai.CompletionRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     _single_choice(req.n)
     for field, unsupported in (("echo", req.echo), ("suffix", req.suffix), ("logprobs", req.logprobs)):
         if unsupported:
@@ -394,6 +396,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, oai.ResponsesRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     if req.previous_response_id is not None:
         raise ApiError(400, "previous_response_id is not supported: warmspec stores no responses; send "
                             "the whole conversation in input", param="previous_response_id")
@@ -410,6 +413,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, ant.MessagesRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     tools = _anthropic_tools(ctx, req.tools, req.tool_choice)
     prompt = await _prompt(ctx, _anthropic_messages(req.system, req.messages), tools)
     job = _job(ctx, prompt, req, max_tokens=req.max_tokens, stop=req.stop_sequences, label="http messages")
