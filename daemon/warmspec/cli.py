@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address for --port and --rpc-port (non-loopback needs --api-key)")
     serve.add_argument("--port", type=int, default=None, help="HTTP API port (OpenAI/Anthropic compatible)")
     serve.add_argument("--rpc-port", type=int, default=None, help="JSON-RPC over TCP port")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web origin (e.g. http://localhost:3000) whose pages may call the HTTP API "
+                            "(repeatable). Requests carrying another browser Origin, or a Host that is not "
+                            "localhost, a loopback address or --host, are refused")
     serve.add_argument("--api-key", default=None,
                        help="clients must present this key (default: $WARMSPEC_API_KEY)")
 

@@ -230,7 +230,7 @@ async def _serve(app, paths: RuntimePaths, args: argparse.Namespace) -> int:
                 from .http import start_http
             except ImportError as e:
                 raise DaemonError(f"the HTTP transport is not available: {e}") from None
-            runner = await start_http(app, args.host, args.port)
+            runner = await start_http(app, args.host, args.port, allow_origins=args.allow_origin)
             where.append(f"HTTP on http://{args.host}:{runner.addresses[0][1]}")
     except OSError as e:
         raise DaemonError(f"cannot listen: {e}") from None
