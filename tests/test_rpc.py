@@ -726,3 +726,25 @@ def test_connections_over_the_limit_are_refused(tmp_path):
         second.close()
     finally:
         d.close()
+
+
+def test_endless_headers_and_huge_content_lengths_get_errors(tiny_daemon):
+    """Header lines that never end in a blank line are cut off once they pass the header limit (the
+    daemon answers and hangs up, instead of reading them forever); a Content-Length of thousands
+    of digits is a parse error for that frame only."""
+    with Client.unix(tiny_daemon.socket, timeout=10) as c:
+        c.sock.sendall(b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n")
+        reply = c.read(10)
+        assert reply is not None and reply.error.code == ErrorCode.PARSE_ERROR, reply
+        assert "invalid Content-Length" in reply.error.message
+        c.initialize()  # the stream is still in step
+        try:
+            c.sock.sendall(b"X-Padding: " + b"a" * 1000 + b"\r\n" * 1 + b"".join(
+                b"X-Padding-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100)))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = c.read(10)
+        assert reply is not None and reply.error.code == ErrorCode.PARSE_ERROR, reply
+        assert "headers longer than" in reply.error.message
+        with pytest.raises(ConnectionError):
+            c.read(10)

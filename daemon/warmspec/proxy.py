@@ -129,11 +129,13 @@ class EditorStream:
 
 
 def _content_length(header: bytes) -> int | None:
+    """The frame's length, or None when it has none that is a plain number of at most 15 digits
+    (``int()`` of thousands of digits raises, which used to end the relay thread)."""
     for line in header.split(b"\n"):
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             value = value.strip()
-            return int(value) if value.isdigit() else None
+            return int(value) if value.isdigit() and len(value) <= 15 else None
     return None
 
 
