@@ -119,7 +119,63 @@ def test_first_ask_without_network_says_why_and_starts_no_daemon(env, tmp_path):
 
 def test_serve_refuses_a_public_address_without_an_api_key(env):
     result = warmspec("serve", "--host", "0.0.0.0", "--rpc-port", "0", env=env, timeout=60)
-    assert result.returncode == 1 and "without --api-key" in result.stderr
+    assert result.returncode == 1 and "without an api key" in result.stderr
+
+
+def test_help_says_where_an_api_key_may_come_from(env):
+    for command in ("serve", "ask", "lsp"):
+        out = warmspec(command, "--help", env=env, timeout=60).stdout
+        assert "--api-key-file PATH" in out and "$WARMSPEC_API_KEY" in out and "/proc/*/cmdline" in out, out
+    assert "--allow-origin ORIGIN" in warmspec("serve", "--help", env=env, timeout=60).stdout
+
+
+def wait_for_ready(proc: subprocess.Popen, log: Path) -> str:
+    deadline = time.monotonic() + 300
+    while "ready: " not in (text := log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, text
+        time.sleep(0.1)
+    return text
+
+
+def test_the_api_key_never_reaches_a_command_line(env, tmp_path):
+    """Every user of the machine can read /proc/PID/cmdline. A key given with ``--api-key-file`` --
+    to ``serve``, or to an ``ask`` that starts the daemon in the background (which gets it in its
+    environment) -- is required by the daemon and in neither daemon's command line."""
+    runtime = Path(env["WARMSPEC_RUNTIME_DIR"])
+    secret = "k-" + os.urandom(12).hex()
+    key_file = tmp_path / "key"
+    key_file.write_text(secret + "\n")
+    key_file.chmod(0o600)
+
+    def check_daemon(pid: int) -> None:
+        assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        with Client.unix(runtime / "warmspec.sock") as c:
+            with pytest.raises(RpcError) as refused:
+                c.initialize()
+            assert refused.value.code == ErrorCode.UNAUTHORIZED
+        with Client.unix(runtime / "warmspec.sock") as c:
+            c.initialize(api_key=secret)
+            assert c.call("warmspec/status", None, wire.Status).pid == pid
+
+    asked = warmspec("ask", "--no-speculate", "--max-tokens", "2", "--api-key-file", str(key_file), "Hi", env=env)
+    assert asked.returncode == 0 and "daemon started" in asked.stderr, asked.stderr
+    check_daemon(int((runtime / "warmspec.pid").read_text()))
+    assert warmspec("stop", env=env).returncode == 0
+
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "warmspec", "serve", "--no-speculate", "--api-key-file",
+                                 str(key_file)], env=env, stdout=out, stderr=out)
+    try:
+        wait_for_ready(proc, log)
+        check_daemon(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    refused = warmspec("serve", "--api-key-file", str(empty), env=env, timeout=60)
+    assert refused.returncode == 1 and "is empty" in refused.stderr
 
 
 def test_serve_over_tcp_and_http_with_an_api_key(env, tmp_path):

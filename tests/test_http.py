@@ -27,7 +27,7 @@ from warmspec.engine import Delta, Engine, EngineError, Finished
 from warmspec.gate import CostTable
 from warmspec.model import LoadedModel
 from warmspec.server.app import App, Limits
-from warmspec.server.http import CTX, start_http
+from warmspec.server.http import CTX, host_allowed, start_http
 from warmspec_protocol import Message
 from warmspec.server.tools import ToolCallSplitter, parse_tool_calls, tool_format
 from warmspec.tokenizer import Tokenizer
@@ -43,14 +43,15 @@ COSTS = {0: {1: 1.0, 2: 1.1, 33: 2.0}}  # skips the few-second cost measurement
 class Server:
     """An HTTP server for ``app`` on a free port, on an event loop in a background thread."""
 
-    def __init__(self, app: App, keepalive_s: float = 0.5):
+    def __init__(self, app: App, keepalive_s: float = 0.5, allow_origins: tuple[str, ...] = ()):
         self.app = app
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
-            self.runner = self.loop.run_until_complete(start_http(app, "127.0.0.1", 0, keepalive_s=keepalive_s))
+            self.runner = self.loop.run_until_complete(start_http(app, "127.0.0.1", 0, keepalive_s=keepalive_s,
+                                                                  allow_origins=allow_origins))
             started.set()
             self.loop.run_forever()
 
@@ -276,7 +277,8 @@ def test_raw_sse_framing(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     lines = [line for line in sse_lines(conn, "/v1/messages",
                                         {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
-                                         "max_tokens": 3, "stream": True}) if line.strip()]
+                                         "max_tokens": 3, "stream": True})
+             if line.strip() and not line.startswith(b":")]  # keep-alive comments come when the CPU is slow
     names = [line[7:].strip().decode() for line in lines if line.startswith(b"event: ")]
     assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
     for name, payload in zip(lines[0::2], lines[1::2]):  # every event line is followed by its data
@@ -398,7 +400,7 @@ def test_bad_requests_get_clear_errors_in_each_api_format(server):
     status, _, reply = server.post("/v1/chat/completions", None)
     assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error"
     status, _, reply = server.request("POST", "/v1/chat/completions", b"{not json",
-                                      {"Authorization": f"Bearer {KEY}"})
+                                      {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert status == 400 and "malformed JSON" in json.loads(reply)["error"]["message"]
     status, _, reply = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]})
     err = json.loads(reply)["error"]
@@ -445,11 +447,122 @@ def test_unknown_routes_methods_and_oversized_bodies(server):
     # chunked (no Content-Length): the limit still holds
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", body=iter([json.dumps(big).encode()]),
-                 headers={"x-api-key": KEY, "Transfer-Encoding": "chunked"}, encode_chunked=True)
+                 headers={"x-api-key": KEY, "Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+                 encode_chunked=True)
     resp = conn.getresponse()
     assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
     conn.close()
     assert "Paris" in chat(server, QUESTION, max_tokens=8)  # still serving
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """A server around a tiny random-weight model (byte tokenizer, 4096-token context), no key."""
+    import tiny
+
+    lm = tiny.build("llama")
+    srv = Server(App(lm, Engine(lm, costs=CostTable(COSTS))))
+    yield srv
+    srv.close()
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tiny_server, monkeypatch):
+    """A 1 MiB prompt (under the body limit) for a 4096-token context of one-character tokens:
+    400 in each API's format, the tokenizer never called; a full queue: 503, not tokenized either."""
+    tok = tiny_server.app.lm.tokenizer
+    calls = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    huge = "x" * (1 << 20)
+    refused = [tiny_server.post("/v1/completions", {"model": "m", "prompt": huge, "max_tokens": 1}, key=None),
+               tiny_server.post("/v1/chat/completions", {"model": "m", "max_tokens": 1,
+                                                         "messages": [{"role": "user", "content": huge}]}, key=None),
+               tiny_server.post("/v1/messages", {"model": "m", "max_tokens": 1,
+                                                 "messages": [{"role": "user", "content": huge}]}, key=None)]
+    assert calls == []
+    for (status, _, body), api in zip(refused, ("openai", "openai", "anthropic")):
+        reply = json.loads(body)
+        assert status == 400 and "cannot fit the context of 4096 tokens" in reply["error"]["message"], body
+        assert (reply.get("type") == "error") == (api == "anthropic")  # each API's error format
+    tiny_server.app.scheduler.max_queue = 0
+    try:
+        status, _, body = tiny_server.post("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1},
+                                           key=None)
+    finally:
+        tiny_server.app.scheduler.max_queue = 256
+    assert status == 503 and "queue full" in json.loads(body)["error"]["message"]
+    assert calls == []
+    status, _, body = tiny_server.post("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1}, key=None)
+    assert status == 200 and calls == [1]
+
+
+def test_requests_from_web_pages_are_refused(tiny_server):
+    """What a web page can send without a CORS preflight -- a text/plain POST -- is refused with 415
+    and starts nothing; so is a foreign Host (DNS rebinding: the page's own name resolving to
+    127.0.0.1) and a foreign or opaque Origin (403), in each API's error format. Loopback Hosts and
+    the daemon's own origin are served."""
+    srv = tiny_server
+    srv.wait_idle()  # an earlier test's job is counted once the worker is idle
+    completed = srv.app.scheduler.completed
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+    chat_body = json.dumps({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    plain = {"Content-Type": "text/plain"}
+    cases = [  # (method, path, body, headers, status, the API whose error format answers)
+        ("POST", "/v1/completions", body, plain, 415, "openai"),
+        ("POST", "/v1/completions", body, {}, 415, "openai"),
+        ("POST", "/v1/messages", chat_body, {"Content-Type": "text/plain;charset=UTF-8"}, 415, "anthropic"),
+        ("POST", "/v1/chat/completions", chat_body, {"Content-Type": "application/x-www-form-urlencoded"}, 415,
+         "openai"),
+        ("POST", "/v1/completions", body, {"Content-Type": "application/json", "Origin": "http://evil.example"},
+         403, "openai"),
+        ("POST", "/v1/messages", chat_body, {"Content-Type": "application/json", "Origin": "null"}, 403, "anthropic"),
+        ("GET", "/v1/models", None, {"Origin": f"http://localhost:{srv.port}"}, 403, "openai"),  # Host is 127.0.0.1
+        ("POST", "/v1/completions", body, {"Content-Type": "application/json", "Host": f"evil.example:{srv.port}"},
+         403, "openai"),
+        ("GET", "/v1/models", None, {"Host": f"rebind.example:{srv.port}"}, 403, "openai"),
+        ("GET", "/health", None, {"Host": "127.0.0.1.nip.io"}, 403, "openai"),
+    ]
+    for method, path, data, headers, want, api in cases:
+        status, reply_headers, reply = srv.request(method, path, data, headers)
+        assert status == want, (method, path, headers, status, reply)
+        assert reply_headers["content-type"].startswith("application/json")
+        error = json.loads(reply)
+        assert (error.get("type") == "error") == (api == "anthropic") and error["error"]["message"], error
+    assert srv.app.scheduler.completed == completed  # nothing was generated
+    served = [("GET", "/v1/models", {"Host": f"localhost:{srv.port}"}),
+              ("GET", "/v1/models", {"Host": f"[::1]:{srv.port}", "Origin": f"http://[::1]:{srv.port}"}),
+              ("GET", "/health", {"Host": "127.0.0.1"}),
+              ("POST", "/v1/completions", {"Content-Type": "application/json; charset=utf-8",
+                                           "Origin": f"http://127.0.0.1:{srv.port}"})]
+    for method, path, headers in served:
+        status, _, reply = srv.request(method, path, body if method == "POST" else None, headers)
+        assert status == 200, (path, headers, reply)
+
+
+def test_allow_origin_lets_one_web_origin_in():
+    import tiny
+
+    lm = tiny.build("llama")
+    srv = Server(App(lm, Engine(lm, costs=CostTable(COSTS))), allow_origins=("http://App.example:3000/",))
+    try:
+        allowed = srv.request("GET", "/v1/models", headers={"Origin": "http://app.example:3000"})
+        other = srv.request("GET", "/v1/models", headers={"Origin": "http://app.example:4000"})
+        rebound = srv.request("GET", "/v1/models", headers={"Origin": "http://app.example:3000",
+                                                            "Host": "app.example:3000"})
+    finally:
+        srv.close()
+    assert allowed[0] == 200 and other[0] == 403
+    assert rebound[0] == 403  # an allowed origin still needs a Host that is this server
+
+
+def test_host_allowed_names_this_server_only():
+    for host in ("localhost", "localhost:8080", "127.0.0.1:1", "127.9.9.9", "[::1]:80", "[::1]", "LocalHost:1"):
+        assert host_allowed(host, "127.0.0.1"), host
+    for host in ("evil.example", "localhost.evil.example:80", "127.0.0.1.nip.io", "localhost:x", "[::1]x",
+                 "192.168.1.5:8080", ""):
+        assert not host_allowed(host, "127.0.0.1"), host
+    assert host_allowed("192.168.1.5:8080", "192.168.1.5") and host_allowed("box.lan:80", "box.lan")
+    assert host_allowed("anything:80", "0.0.0.0") and host_allowed("[fe80::1]:80", "::")  # needs --api-key
 
 
 def test_health_and_metrics(server, default_lm):

@@ -69,3 +69,13 @@ def test_framing_it_cannot_follow_passes_as_raw_bytes():
     stream = EditorStream()
     assert stream.feed(not_json + frame(EXIT)) == not_json + frame(EXIT)
     assert stream.exited
+
+
+def test_a_content_length_of_thousands_of_digits_passes_as_raw_bytes():
+    """``int()`` refuses strings of over 4300 digits: such a header used to raise out of the relay
+    thread, and the editor's input stopped reaching the daemon. Now it is framing the relay cannot
+    follow, passed on for the daemon to answer."""
+    bad = b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n{}"
+    stream = EditorStream()
+    assert stream.feed(bad) == bad
+    assert stream.feed(frame(EXIT)) == frame(EXIT)  # still relaying (raw)

@@ -20,7 +20,7 @@ from warmspec.client import Client, RpcError
 from warmspec.engine import Delta, Engine
 from warmspec.gate import CostTable
 from warmspec.server.app import App, Limits
-from warmspec.server.inline import CompletionCache, cursor_context
+from warmspec.server.inline import CompletionCache, Window, cursor_context
 from warmspec.server import rpc
 from warmspec.server.rpc import RpcService
 from warmspec.server.scheduler import Job
@@ -264,11 +264,105 @@ def test_cursor_context_cuts_at_lines():
 
 def test_completion_cache_serves_typed_through_suggestion():
     cache = CompletionCache()
-    cache.store("x = ", "\n", "compute(1)")
-    assert cache.lookup("x = ", "\n") == "compute(1)"
-    assert cache.lookup("x = comp", "\n") == "ute(1)"
-    assert cache.lookup("x = cx", "\n") is None  # typed something else
-    assert cache.lookup("x = ", "y\n") is None  # a different suffix
+
+    def at(prefix: str, suffix: str = "\n", uri: str = "file:///a.py", max_tokens: int = 8) -> Window:
+        return Window(uri=uri, prefix=prefix, suffix=suffix, model="m", max_tokens=max_tokens, stop=("\n\n",))
+
+    cache.store(at("x = "), "compute(1)")
+    assert cache.lookup(at("x = ")) == "compute(1)"
+    assert cache.lookup(at("x = comp")) == "ute(1)"
+    assert cache.lookup(at("x = cx")) is None  # typed something else
+    assert cache.lookup(at("x = ", "y\n")) is None  # a different suffix
+    assert cache.lookup(at("x = ", uri="file:///b.py")) is None  # another document
+    assert cache.lookup(at("x = ", max_tokens=9)) is None  # other settings
+    assert cache.lookup(at("# a\nx = ")) is None  # the window holds more text above
+
+
+def inline_at_end(client: LanguageClient, uri: str, src: str):
+    lines = src.split("\n")
+    return client.text_document_inline_completion_async(lsp.InlineCompletionParams(
+        text_document=lsp.TextDocumentIdentifier(uri=uri), position=lsp.Position(line=len(lines) - 1,
+                                                                                 character=len(lines[-1])),
+        context=lsp.InlineCompletionContext(trigger_kind=lsp.InlineCompletionTriggerKind.Invoked)))
+
+
+def ghost_alone(daemon: InProcessDaemon, uri: str, src: str, max_tokens: int) -> str:
+    """The suggestion at the end of ``src`` computed without the cache: the job, run alone."""
+    ghost = daemon.service.ghost
+    window = ghost.window(uri, src, len(src), wire.InlineCompletionSettings(max_tokens=max_tokens))
+    return daemon.run(_run_job(daemon, ghost.job(window, label="alone")))
+
+
+# Long enough that the prompt's 4096-character window reaches far above the last 512 characters.
+FILLER = "".join(f"limit_{i} = {i} * 16  # bytes\n" for i in range(30))
+TAIL = "\n\ndef total_limit():\n    return "
+
+
+@pytest.fixture(scope="module")
+def tiny_daemon(tmp_path_factory):
+    """A daemon around a tiny random-weight model (byte tokenizer): prompts of thousands of
+    characters cost milliseconds."""
+    import tiny
+
+    d = InProcessDaemon(tiny.build("llama"), tmp_path_factory.mktemp("tiny"))
+    yield d
+    d.close()
+
+
+def test_ghost_text_after_an_edit_far_above_the_cursor_is_not_stale(tiny_daemon):
+    """An edit 800 characters above the cursor is inside the prompt's window: the suggestion
+    for the old text must not be served for the new one (it was, while the cache compared only
+    the last 512 characters before the cursor)."""
+    daemon = tiny_daemon
+    uri = (daemon.root / "limits.py").as_uri()
+    before = "# Memory limits, in bytes.\n" + FILLER + TAIL
+    after = "# Time limits, in seconds.\nTIMEOUT = 30\n" + FILLER + TAIL
+    assert len(before) - len(TAIL) > 512 * 1.5 and len(after) < 4096
+
+    async def scenario():
+        client, _ = await lsp_client(daemon, inlineCompletion={"maxTokens": 4})
+        client.text_document_did_open(lsp.DidOpenTextDocumentParams(
+            text_document=lsp.TextDocumentItem(uri=uri, language_id="python", version=1, text=before)))
+        await inline_at_end(client, uri, before)
+        client.text_document_did_change(lsp.DidChangeTextDocumentParams(
+            text_document=lsp.VersionedTextDocumentIdentifier(uri=uri, version=2),
+            content_changes=[lsp.TextDocumentContentChangeWholeDocument(text=after)]))
+        hits = daemon.service.ghost.cache.hits
+        got = await inline_at_end(client, uri, after)
+        misses = daemon.service.ghost.cache.hits == hits
+        await close(client)
+        return got, misses
+
+    got, missed = asyncio.run(scenario())
+    assert missed, "served the suggestion cached for the text before the edit"
+    assert [i.insert_text for i in got.items] == [t for t in [ghost_alone(daemon, uri, after, 4)] if t]
+
+
+def test_ghost_text_is_not_served_from_another_document(tiny_daemon):
+    """Two documents that end in the same 800 characters but differ above: the second one's
+    suggestion is its own, not the first one's from the cache."""
+    daemon = tiny_daemon
+    one, two = (daemon.root / "one.py").as_uri(), (daemon.root / "two.py").as_uri()
+    texts = {one: "# Network limits.\nimport socket\n" + FILLER + TAIL,
+             two: "# Disk limits.\nimport shutil\n" + FILLER + TAIL}
+
+    async def scenario():
+        client, _ = await lsp_client(daemon, inlineCompletion={"maxTokens": 4})
+        for uri, text in texts.items():
+            client.text_document_did_open(lsp.DidOpenTextDocumentParams(
+                text_document=lsp.TextDocumentItem(uri=uri, language_id="python", version=1, text=text)))
+        await inline_at_end(client, one, texts[one])
+        hits = daemon.service.ghost.cache.hits
+        got = await inline_at_end(client, two, texts[two])
+        missed = daemon.service.ghost.cache.hits == hits
+        again = await inline_at_end(client, two, texts[two])
+        await close(client)
+        return got, missed, again, daemon.service.ghost.cache.hits - hits
+
+    got, missed, again, hits = asyncio.run(scenario())
+    assert missed, "served the suggestion cached for another document"
+    assert [i.insert_text for i in got.items] == [t for t in [ghost_alone(daemon, two, texts[two], 4)] if t]
+    assert again == got and hits == 1  # its own answer is cached
 
 
 def test_chat_indexes_the_files_its_tool_calls_read(daemon):
@@ -697,3 +791,169 @@ def test_time_to_first_token_overhead(daemon, capsys):
               f"{med(in_process) * 1000:.1f} ms; added by the transport (paired) "
               f"median {med(paired) * 1000:.2f} ms, max {max(paired) * 1000:.2f} ms")
     assert all(p > 0 for p in paired)
+
+
+# -- limits before work ---------------------------------------------------------------------------------
+
+
+class EncodeSpy:
+    """Stands in for a tokenizer's ``encode``: counts calls, and while ``hold`` is set blocks in
+    them (``entered`` says one has begun) until ``release`` is set."""
+
+    def __init__(self, encode):
+        self.encode = encode
+        self.calls = 0
+        self.hold = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.hold:
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the tokenizer"
+        return self.encode(*args, **kwargs)
+
+
+@pytest.fixture
+def spied(tiny_daemon, monkeypatch):
+    tok = tiny_daemon.app.lm.tokenizer
+    spy = EncodeSpy(tok.encode)
+    monkeypatch.setattr(tok, "encode", spy)
+    yield spy
+    spy.release.set()
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tiny_daemon, spied):
+    """Longer than the context times the longest token (one character, for a byte tokenizer): refused
+    at once with a clear error, the tokenizer never called; and a full queue is refused before
+    tokenizing too."""
+    app = tiny_daemon.app
+    huge = "x" * (app.max_prompt_chars + 1)
+    with tiny_daemon.client() as c:
+        with pytest.raises(RpcError) as complete:
+            c.call("warmspec/complete", wire.CompleteParams(prompt=huge, max_tokens=2), wire.GenerateResult)
+        with pytest.raises(RpcError) as chat_:
+            c.call("warmspec/chat", chat(huge, 2), wire.GenerateResult)
+        assert spied.calls == 0
+        app.scheduler.max_queue = 0
+        try:
+            with pytest.raises(RpcError) as busy:
+                c.call("warmspec/complete", wire.CompleteParams(prompt="hello", max_tokens=2), wire.GenerateResult)
+        finally:
+            app.scheduler.max_queue = 256
+        assert c.call("warmspec/complete", wire.CompleteParams(prompt="hello", max_tokens=2),
+                      wire.GenerateResult).stats.prompt_tokens == 5
+    for e in (complete.value, chat_.value):
+        assert e.code == ErrorCode.INVALID_PARAMS and "cannot fit the context of 4096 tokens" in e.message, e
+    assert busy.value.code == ErrorCode.BUSY and "queue full" in busy.value.message
+    assert spied.calls == 1  # the last request only
+
+
+@pytest.mark.parametrize("method", ["warmspec/complete", "textDocument/inlineCompletion"])
+def test_tokenizing_one_request_does_not_stall_other_connections(tiny_daemon, spied, method):
+    """While one connection's prompt is being tokenized (held inside the tokenizer here), another
+    connection's warmspec/status is answered: the tokenizer runs off the event loop."""
+    uri = (tiny_daemon.root / "stall.py").as_uri()
+    text = "def stall():\n    return " + method
+    with tiny_daemon.client() as busy, tiny_daemon.client() as other:
+        if method == "warmspec/complete":
+            msg_id = busy.start(method, wire.CompleteParams(prompt=text, max_tokens=2))
+        else:
+            busy.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python",
+                                                                  "version": 1, "text": text}})
+            msg_id = busy.start(method, {"textDocument": {"uri": uri}, "position": {"line": 1, "character": 10},
+                                         "context": {"triggerKind": 1}})
+        spied.hold = True
+        assert spied.entered.wait(30), "the request never reached the tokenizer"
+        other.start("warmspec/status", None)
+        status = other.read(30)  # the tokenizer holds on for 60 s: this reply comes while it does
+        spied.release.set()
+        reply = busy.read(60)
+        while reply is not None and reply.id != msg_id:
+            reply = busy.read(60)
+    assert status is not None, "warmspec/status waited for another connection's tokenizing"
+    assert msgspec.convert(status.result, wire.Status).model.id == tiny_daemon.app.lm.name
+    assert reply is not None and reply.error is msgspec.UNSET
+
+
+def test_a_client_without_the_key_cannot_send_a_big_frame(tmp_path):
+    """Before the key is presented the daemon reads a frame the size of an initialize, not its
+    16 MiB body limit: a 1 MiB initialize -- with the right key, even -- is refused, the
+    connection closed; an ordinary one is served."""
+    import tiny
+
+    d = InProcessDaemon(tiny.build("llama"), tmp_path, api_key="k3y")
+    try:
+        big = {"processId": None, "capabilities": {"experimental": "x" * (1 << 20)},
+               "initializationOptions": {"apiKey": "k3y"}}
+        with Client.unix(d.socket, timeout=10) as c:
+            try:
+                c.send(wire.Request(id=1, method="initialize", params=big))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon hung up before reading it all
+            reply = c.read(10)
+            assert reply is not None and reply.error is not msgspec.UNSET, reply
+            assert reply.error.code == ErrorCode.INVALID_REQUEST and "over the limit" in reply.error.message
+            with pytest.raises(ConnectionError):
+                c.read(10)
+        with d.client() as c:  # initialized with the key: the full limit applies
+            prompt = "y" * (200 << 10)
+            assert c.call("warmspec/complete", wire.CompleteParams(prompt=prompt[:4000], max_tokens=1),
+                          wire.GenerateResult).stats.prompt_tokens == 4000
+            with pytest.raises(RpcError) as too_long:  # read, decoded and refused for its size
+                c.call("warmspec/complete", wire.CompleteParams(prompt=prompt, max_tokens=1), wire.GenerateResult)
+            assert "cannot fit" in too_long.value.message
+    finally:
+        d.close()
+
+
+def test_connections_over_the_limit_are_refused(tmp_path):
+    """``Limits.max_connections`` counts socket and TCP connections together; the one over it gets
+    a JSON-RPC error and is closed, and once one closes a new one is served."""
+    import tiny
+
+    d = InProcessDaemon(tiny.build("llama"), tmp_path, limits=Limits(max_connections=2))
+    try:
+        first = d.client()
+        second = Client.tcp("127.0.0.1", d.port, timeout=10)
+        second.initialize()
+        with Client.unix(d.socket, timeout=10) as third:
+            reply = third.read(10)
+            assert reply is not None and reply.error.code == ErrorCode.BUSY, reply
+            assert "too many connections" in reply.error.message
+            with pytest.raises(ConnectionError):
+                third.read(10)
+        assert second.call("warmspec/status", None, wire.Status).pid  # the two open ones are served
+        first.close()
+        deadline = time.monotonic() + 30
+        while d.service._open >= 2:
+            assert time.monotonic() < deadline, "the closed connection was never released"
+            time.sleep(0.05)
+        with d.client() as fourth:
+            assert fourth.call("warmspec/status", None, wire.Status).pid
+        second.close()
+    finally:
+        d.close()
+
+
+def test_endless_headers_and_huge_content_lengths_get_errors(tiny_daemon):
+    """Header lines that never end in a blank line are cut off once they pass the header limit (the
+    daemon answers and hangs up, instead of reading them forever); a Content-Length of thousands
+    of digits is a parse error for that frame only."""
+    with Client.unix(tiny_daemon.socket, timeout=10) as c:
+        c.sock.sendall(b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n")
+        reply = c.read(10)
+        assert reply is not None and reply.error.code == ErrorCode.PARSE_ERROR, reply
+        assert "invalid Content-Length" in reply.error.message
+        c.initialize()  # the stream is still in step
+        try:
+            c.sock.sendall(b"X-Padding: " + b"a" * 1000 + b"\r\n" * 1 + b"".join(
+                b"X-Padding-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100)))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = c.read(10)
+        assert reply is not None and reply.error.code == ErrorCode.PARSE_ERROR, reply
+        assert "headers longer than" in reply.error.message
+        with pytest.raises(ConnectionError):
+            c.read(10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -35,6 +34,12 @@ def _daemon_args(p: argparse.ArgumentParser) -> None:
                    help="the daemon's Unix socket (default: warmspec.sock in the runtime directory)")
 
 
+def _key_file_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
+                   help=f"read {what} from PATH (its first line), kept off the command line where any "
+                        "user of the machine can read it in /proc/*/cmdline (default: $WARMSPEC_API_KEY)")
+
+
 def _workspace_args(p: argparse.ArgumentParser, when: str = "") -> None:
     p.add_argument("--workspace", action="append", default=[], metavar="DIR",
                    help=f"a workspace root: files under it may be indexed for drafting (repeatable){when}")
@@ -57,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     ask.add_argument("--in-process", action="store_true",
                      help="load the model in this process instead of using the daemon")
-    ask.add_argument("--api-key", default=None, help="the daemon's api key (default: $WARMSPEC_API_KEY)")
+    ask.add_argument("--api-key", default=None,
+                     help="the daemon's api key (default: $WARMSPEC_API_KEY); also given, in its "
+                          "environment, to a daemon ask starts")
+    _key_file_arg(ask, "the daemon's api key")
     _model_args(ask)
     _sampling_args(ask)
     _daemon_args(ask)
@@ -70,11 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     _daemon_args(serve)
     _workspace_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address for --port and --rpc-port (non-loopback needs --api-key)")
+                       help="address for --port and --rpc-port (non-loopback needs an api key)")
     serve.add_argument("--port", type=int, default=None, help="HTTP API port (OpenAI/Anthropic compatible)")
     serve.add_argument("--rpc-port", type=int, default=None, help="JSON-RPC over TCP port")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web origin (e.g. http://localhost:3000) whose pages may call the HTTP API "
+                            "(repeatable). Requests carrying another browser Origin, or a Host that is not "
+                            "localhost, a loopback address or --host, are refused")
     serve.add_argument("--api-key", default=None,
-                       help="clients must present this key (default: $WARMSPEC_API_KEY)")
+                       help="clients must present this key (default: $WARMSPEC_API_KEY); visible to "
+                            "other users in /proc/*/cmdline: prefer --api-key-file or the variable")
+    _key_file_arg(serve, "the key clients must present")
 
     lsp = sub.add_parser("lsp", help="LSP/JSON-RPC on stdio for an editor, served by the daemon",
                          description="For an editor that spawns its language server: relay stdio to "
@@ -86,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="load the model in this process and serve the editor alone, without the daemon")
     _model_args(lsp)
     _daemon_args(lsp)
+    _key_file_arg(lsp, "the daemon's api key, presented for the editor,")
     lsp.add_argument("--workspace", action="append", default=[], metavar="DIR",
                      help="a workspace root (repeatable; default: the current directory, unless it is ~ "
                           "or /); given to the daemon as the editor's project is")
@@ -221,11 +236,12 @@ def ask_daemon(args: argparse.Namespace, err) -> int:
 
     from .client import RpcError
     from .connect import check_model, connect_daemon
+    from .server.daemon import api_key_from
 
     client = connect_daemon(args, err)
     with client:
         try:
-            client.initialize(api_key=args.api_key or os.environ.get("WARMSPEC_API_KEY"))
+            client.initialize(api_key=api_key_from(args))
             models = check_model(client, args.model)
             for f in args.file:
                 try:

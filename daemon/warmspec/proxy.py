@@ -8,8 +8,8 @@ closes. The daemon serves the editor like any socket client, and adds the projec
 in ``initialize`` to its workspace roots (it does that for local connections only).
 
 The relay reads the editor's frames (``Content-Length`` framing) only to learn LSP's exit status
--- 0 when ``shutdown`` came before ``exit`` -- and to put ``$WARMSPEC_API_KEY`` into ``initialize``
-when the editor sends no key, as ``ask`` does. Every other frame goes on unchanged; framing it
+-- 0 when ``shutdown`` came before ``exit`` -- and to put the api key (``--api-key-file``, else
+``$WARMSPEC_API_KEY``) into ``initialize`` when the editor sends no key, as ``ask`` does. Every other frame goes on unchanged; framing it
 cannot follow makes it pass the rest of the stream on as it comes, for the daemon to answer.
 """
 
@@ -29,7 +29,7 @@ from warmspec_protocol.rpc import ErrorCode
 
 from .client import Client, RpcError
 from .connect import check_model, connect_daemon
-from .server.daemon import DaemonError, RuntimePaths, claim_stdout, default_lsp_roots
+from .server.daemon import DaemonError, RuntimePaths, api_key_from, claim_stdout, default_lsp_roots
 
 log = logging.getLogger("warmspec.lsp")
 
@@ -129,11 +129,13 @@ class EditorStream:
 
 
 def _content_length(header: bytes) -> int | None:
+    """The frame's length, or None when it has none that is a plain number of at most 15 digits
+    (``int()`` of thousands of digits raises, which used to end the relay thread)."""
     for line in header.split(b"\n"):
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             value = value.strip()
-            return int(value) if value.isdigit() else None
+            return int(value) if value.isdigit() and len(value) <= 15 else None
     return None
 
 
@@ -198,7 +200,7 @@ def cmd_lsp(args: argparse.Namespace) -> int:
 
     protocol_out = claim_stdout()
     err = Console(stderr=True, soft_wrap=True)
-    api_key = os.environ.get("WARMSPEC_API_KEY") or None
+    api_key = api_key_from(args)
     roots = default_lsp_roots(args.workspace)
     args.workspace = [str(r) for r in roots]  # for a daemon started now
     paths = RuntimePaths.resolve(args.socket)
@@ -212,7 +214,7 @@ def cmd_lsp(args: argparse.Namespace) -> int:
             with Client(_connect(paths)) as client:
                 client.initialize(api_key=api_key, name="warmspec-lsp", roots=roots)
     except RpcError as e:
-        hint = " (set WARMSPEC_API_KEY)" if e.code == ErrorCode.UNAUTHORIZED else ""
+        hint = " (set WARMSPEC_API_KEY or --api-key-file)" if e.code == ErrorCode.UNAUTHORIZED else ""
         raise DaemonError(f"the daemon refused: {e.message}{hint}") from None
     except ConnectionError as e:
         raise DaemonError(f"lost the daemon at {paths.socket}: {e}") from None

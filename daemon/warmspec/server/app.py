@@ -18,8 +18,9 @@ from warmspec_protocol import Message, ModelInfo, SamplingParams, Status
 from .. import blas
 from ..engine import Engine, EngineError
 from ..model import LoadedModel
+from ..tokenizer import Tokenizer
 from ..workspace import UnreadableFile, Workspace, WorkspaceError
-from .scheduler import PRIORITY_NORMAL, Job, Scheduler
+from .scheduler import PRIORITY_NORMAL, Busy, Job, Scheduler
 
 log = logging.getLogger("warmspec.app")
 
@@ -29,13 +30,30 @@ PATH_KEYS = ("path", "file_path", "filepath", "filename", "file", "target_file",
 
 
 class Limits(msgspec.Struct, kw_only=True):
-    """Bounds on what one request may ask for."""
+    """Bounds on what one request, or one client, may ask for."""
 
     max_body_bytes: int = 16 << 20
     max_tokens: int = 8192
     default_max_tokens: int = 1024
     max_stop: int = 16
     max_stop_len: int = 256
+    # JSON-RPC connections (Unix socket and TCP together) served at once; the one over gets a
+    # JSON-RPC error and is closed. Editors take one each (plus a moment's probe from `warmspec lsp`).
+    max_connections: int = 64
+    # The largest frame read from a connection that has not yet presented the api key (daemons with
+    # --api-key): enough for an editor's initialize (capabilities run to about 10 KiB), so a client
+    # without the key cannot make the daemon buffer a 16 MiB body, and 64 of them hold 4 MiB at most.
+    max_preauth_frame_bytes: int = 64 << 10
+
+
+def longest_token_chars(tok: Tokenizer) -> int:
+    """The most characters of text one token can stand for: the longest piece in the vocabulary.
+
+    A piece is spelled in characters that stand for at least one character of text each (byte-level
+    BPE spells one byte per character, SentencePiece writes ``\u2581`` for a space, byte fallback
+    ``<0x41>`` six for one byte), so a text of ``n`` characters is at least ``n / longest`` tokens.
+    Added and special tokens are in the vocabulary with their text."""
+    return max((len(piece) for piece in tok.backend.get_vocab(with_added_tokens=True)), default=1)
 
 
 class App:
@@ -49,6 +67,8 @@ class App:
         self.workspace = Workspace(workspace_roots, lm.tokenizer)
         self.scheduler = Scheduler(engine, workspace=self.workspace)
         self.started = time.time()
+        # Measured once here: a prompt longer than this cannot fit, whatever its tokens.
+        self.max_prompt_chars = lm.context_length * longest_token_chars(lm.tokenizer) if lm.context_length else None
 
     def start(self) -> None:
         """Start decoding, and watching the workspace: files read earlier are re-indexed when
@@ -62,23 +82,45 @@ class App:
 
     # -- requests -> jobs -------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a chat rendered by the model's template, ready for the assistant's turn.
+    def admit(self) -> None:
+        """Refuse a generation now, before its prompt is tokenized, when the queue cannot take it
+        (``Busy``); the scheduler checks again when the job is submitted."""
+        s = self.scheduler
+        if s.queue_depth >= s.max_queue:
+            raise Busy(f"queue full ({s.max_queue} requests waiting)")
+
+    def check_fits(self, text: str) -> None:
+        """Refuse, without tokenizing it, a prompt text too long to fit the context at the most
+        characters per token the vocabulary allows: 16 MiB of text is millions of tokens, seconds of
+        CPU to count, and could never be served anyway."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise EngineError(f"prompt of {len(text)} characters cannot fit the context of "
+                              f"{self.lm.context_length} tokens (at most {self.max_prompt_chars} characters)")
+
+    def chat_text(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> str:
+        """A chat rendered by the model's template, ready for the assistant's turn, checked to fit.
         (Templates are jinja and read plain dicts: the one conversion happens here.)"""
         if not messages:
             raise EngineError("messages must not be empty")
-        tok = self.lm.tokenizer
-        return tok.encode(tok.apply_chat_template([msgspec.to_builtins(m) for m in messages], tools=tools))
+        text = self.lm.tokenizer.apply_chat_template([msgspec.to_builtins(m) for m in messages], tools=tools)
+        self.check_fits(text)
+        return text
+
+    def chat_prompt(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the chat (see ``chat_text``)."""
+        return self.lm.tokenizer.encode(self.chat_text(messages, tools))
 
     def chat_request(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
                      conversation: str | None = None, note_reads: bool = True) -> tuple[list[int], str]:
         """The prompt's token ids and the conversation's id (the client's, else derived), indexing
-        on the way the files the chat's tool calls read. Every transport's chat comes through here;
-        it encodes for up to a second on long prompts, so transports call it in a worker thread."""
+        on the way the files the chat's tool calls read -- once the chat is known to fit. Every
+        transport's chat comes through here; it encodes for up to a second on long prompts, so
+        transports call it in a worker thread."""
         conversation = conversation or self.conversation_of(messages)
+        text = self.chat_text(messages, tools)
         if note_reads:
             self.note_tool_reads(messages, conversation)
-        return self.chat_prompt(messages, tools=tools), conversation
+        return self.lm.tokenizer.encode(text), conversation
 
     @staticmethod
     def conversation_of(messages: Sequence[Message]) -> str:
@@ -116,8 +158,10 @@ class App:
         return seen
 
     def text_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a plain prompt; tokenizes, so transports call it in a worker thread."""
         if not prompt:
             raise EngineError("prompt must not be empty")
+        self.check_fits(prompt)
         return self.lm.tokenizer.encode(prompt, add_special_tokens=True)
 
     def sampling(self, **given: Any) -> SamplingParams:

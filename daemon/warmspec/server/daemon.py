@@ -9,7 +9,10 @@ output. ``--socket PATH`` moves all three (``PATH`` with suffixes ``.pid`` and `
 
 Ports: the Unix socket always serves JSON-RPC; ``--rpc-port`` adds JSON-RPC over TCP (the same
 protocol, for clients that cannot reach the socket) and ``--port`` the HTTP API (OpenAI and
-Anthropic compatible). Both bind ``--host`` (127.0.0.1); any other address needs ``--api-key``.
+Anthropic compatible). Both bind ``--host`` (127.0.0.1); any other address needs an api key:
+``--api-key-file PATH`` or ``$WARMSPEC_API_KEY`` (or ``--api-key``, which every user of the machine
+can read in ``/proc/PID/cmdline``; a daemon started in the background gets its key in the
+environment, which only its owner can read).
 
 This module imports no MLX at the top: ``warmspec ask`` uses it to find or start a daemon and
 should start as fast as Python does.
@@ -156,6 +159,23 @@ def running_pid(paths: RuntimePaths) -> int | None:
 # -- serve ---------------------------------------------------------------------------------------------
 
 
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """The api key a command was given: ``--api-key``, else the first line of ``--api-key-file``,
+    else ``$WARMSPEC_API_KEY``; None when there is none."""
+    key = getattr(args, "api_key", None)
+    path = getattr(args, "api_key_file", None)
+    if key and path:
+        raise DaemonError("give --api-key or --api-key-file, not both")
+    if path:
+        try:
+            key = Path(path).expanduser().read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DaemonError(f"--api-key-file {path}: cannot read it ({e})") from None
+        if not key:
+            raise DaemonError(f"--api-key-file {path} is empty")
+    return key or os.environ.get("WARMSPEC_API_KEY") or None
+
+
 def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None):
     """Load the model and start the scheduler; measure verify costs now, not during a request."""
     from ..engine import Engine, default_cost_cache
@@ -181,10 +201,11 @@ def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..model import ModelError
 
-    api_key = args.api_key or os.environ.get("WARMSPEC_API_KEY") or None
+    api_key = api_key_from(args)
     tcp = args.port is not None or args.rpc_port is not None
     if tcp and not is_loopback(args.host) and not api_key:
-        raise DaemonError(f"refusing to listen on {args.host} without --api-key (or WARMSPEC_API_KEY): "
+        raise DaemonError(f"refusing to listen on {args.host} without an api key (--api-key-file, "
+                          "WARMSPEC_API_KEY or --api-key): "
                           "anyone who can reach it could use the model and read workspace files")
     for w in args.workspace:
         if not Path(w).is_dir():
@@ -230,7 +251,7 @@ async def _serve(app, paths: RuntimePaths, args: argparse.Namespace) -> int:
                 from .http import start_http
             except ImportError as e:
                 raise DaemonError(f"the HTTP transport is not available: {e}") from None
-            runner = await start_http(app, args.host, args.port)
+            runner = await start_http(app, args.host, args.port, allow_origins=args.allow_origin)
             where.append(f"HTTP on http://{args.host}:{runner.addresses[0][1]}")
     except OSError as e:
         raise DaemonError(f"cannot listen: {e}") from None
@@ -305,15 +326,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
 # -- background start, for ask -------------------------------------------------------------------------------
 
 
-def start_background(paths: RuntimePaths, serve_args: list[str]) -> subprocess.Popen:
+def start_background(paths: RuntimePaths, serve_args: list[str], *, api_key: str | None = None) -> subprocess.Popen:
     """Start ``warmspec serve`` detached (own session: the terminal's Ctrl-C is not for it),
-    logging to ``paths.log``."""
+    logging to ``paths.log``. ``api_key`` goes to it as ``$WARMSPEC_API_KEY``, never in its
+    arguments: /proc/PID/cmdline is readable by every user, /proc/PID/environ by the owner only."""
     if paths.log.exists() and paths.log.stat().st_size > LOG_ROTATE_BYTES:
         paths.log.replace(paths.log.with_suffix(".log.1"))
     fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         cmd = [sys.executable, "-m", "warmspec", "serve", "--socket", str(paths.socket), *serve_args]
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
+        env = dict(os.environ, WARMSPEC_API_KEY=api_key) if api_key else None
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env,
                                 start_new_session=True, close_fds=True)
     finally:
         os.close(fd)

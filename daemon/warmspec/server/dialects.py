@@ -60,8 +60,8 @@ def openai_error(e: ApiError) -> oai.ErrorResponse:
 
 
 def anthropic_error(e: ApiError) -> ant.ErrorResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
-            503: "overloaded_error"}.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 503: "overloaded_error"}.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return ant.ErrorResponse(error=ant.ErrorDetail(type=kind, message=str(e)))
 
 

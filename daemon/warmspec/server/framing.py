@@ -10,7 +10,8 @@ import asyncio
 
 from warmspec_protocol.rpc import ErrorCode
 
-HEADER_LIMIT = 64 << 10  # longest header line; beyond it the stream cannot be resynchronized
+HEADER_LIMIT = 64 << 10  # longest header line, and all of a frame's header lines together;
+# beyond it the stream cannot be resynchronized
 CONTENT_TYPE = b"application/vscode-jsonrpc; charset=utf-8"
 
 
@@ -34,6 +35,7 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | No
     length: int | None = None
     problem: str | None = None
     seen = False
+    header_bytes = 0
     while True:
         try:
             line = await reader.readline()
@@ -41,6 +43,9 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | No
             raise FrameError(ErrorCode.PARSE_ERROR, "header line too long", fatal=True) from None
         if not line:
             return None
+        header_bytes += len(line)
+        if header_bytes > HEADER_LIMIT:  # header lines without end: never a frame
+            raise FrameError(ErrorCode.PARSE_ERROR, f"headers longer than {HEADER_LIMIT} bytes", fatal=True)
         if not line.strip():
             if seen:
                 break

@@ -13,19 +13,31 @@ requests never reloads anything.
 
 Errors come back in the caller's API format (OpenAI's ``{"error": {...}}``, or Anthropic's
 ``{"type": "error", ...}`` under ``/v1/messages``): 400 for malformed or invalid requests, 401 without
-the API key, 404, 413 for bodies over the limit, 500 (logged with its traceback) for daemon faults.
+the API key, 403 for requests from web pages (below), 404, 413 for bodies over the limit, 415 for a
+body that is not ``application/json``, 503 when the queue is full, 500 (logged with its traceback)
+for daemon faults.
+
+Web pages. A page in the user's browser can reach a loopback port: it can POST ``text/plain`` with
+no CORS preflight (and so start generations, or name files for the daemon to index), and through
+DNS rebinding -- its own name made to resolve to 127.0.0.1 -- read the answers. So every request's
+``Host`` must be a loopback name (``localhost``, a loopback address; any port) or the address the
+server is bound to (any Host when bound to a wildcard address, which needs ``--api-key``); a
+request carrying a browser ``Origin`` must come from the daemon's own origin (``http://`` + its
+Host) or one given with ``--allow-origin``; and API posts must be ``application/json``, which a
+page can only send after a CORS preflight that the daemon never grants.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import re
 import time
 from collections import Counter
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import msgspec
 from aiohttp import web
@@ -327,6 +339,9 @@ def _param(e: msgspec.ValidationError) -> str | None:
 
 
 async def _decode(request: web.Request, kind: type[msgspec.Struct]) -> Any:
+    if request.headers.get("Content-Type") is None or request.content_type != "application/json":
+        raise ApiError(415, f"the request body must be JSON sent as 'Content-Type: application/json' "
+                            f"(got {request.headers.get('Content-Type', 'none')!r})")
     limit = request.app[CTX].app.limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body of {request.content_length} bytes is over the limit of {limit}")
@@ -363,6 +378,7 @@ def _single_choice(n: int | None) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, oai.ChatCompletionRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     _single_choice(req.n)
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
@@ -377,6 +393,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, oai.CompletionRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     _single_choice(req.n)
     for field, unsupported in (("echo", req.echo), ("suffix", req.suffix), ("logprobs", req.logprobs)):
         if unsupported:
@@ -394,6 +411,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, oai.ResponsesRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     if req.previous_response_id is not None:
         raise ApiError(400, "previous_response_id is not supported: warmspec stores no responses; send "
                             "the whole conversation in input", param="previous_response_id")
@@ -410,6 +428,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = await _decode(request, ant.MessagesRequest)
+    ctx.app.admit()  # a full queue is refused before the prompt is tokenized
     tools = _anthropic_tools(ctx, req.tools, req.tool_choice)
     prompt = await _prompt(ctx, _anthropic_messages(req.system, req.messages), tools)
     job = _job(ctx, prompt, req, max_tokens=req.max_tokens, stop=req.stop_sequences, label="http messages")
@@ -468,11 +487,15 @@ def _label(value: str) -> str:
 
 
 class Context:
-    """The HTTP server's state beside the ``App``: tool support of the template, request counters."""
+    """The HTTP server's state beside the ``App``: tool support of the template, request counters,
+    and what a request's Host and Origin may be."""
 
-    def __init__(self, app: App, keepalive_s: float):
+    def __init__(self, app: App, keepalive_s: float, *, host: str = "127.0.0.1",
+                 allow_origins: Sequence[str] = ()):
         self.app = app
         self.keepalive_s = keepalive_s
+        self.bound = _host_name(host)
+        self.allow_origins = {_origin(o) for o in allow_origins}
         self.tool_format = tool_format(app.lm.tokenizer)
         self.requests: Counter[tuple[str, int]] = Counter()
         self.disconnects = 0
@@ -534,6 +557,51 @@ STREAMING = web.RequestKey("warmspec.streaming", bool)  # set once a request's S
 _NO_KEY_NEEDED = {"/health"}
 
 
+def _host_name(host: str) -> str:
+    """The name in a Host header (or a bind address), lower case, without its port; IPv6
+    addresses without their brackets. Anything malformed comes back whole (and matches nothing)."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6] or [v6]:port
+        end = host.find("]")
+        rest = host[end + 1:] if end > 0 else "?"
+        return host[1:end] if rest == "" or (rest[:1] == ":" and rest[1:].isdigit()) else host
+    if host.count(":") == 1:
+        name, _, port = host.partition(":")
+        return name if port.isdigit() else host
+    return host  # a name, an IPv4 address, or a bare IPv6 address (a bind address)
+
+
+def _origin(origin: str) -> str:
+    return origin.strip().lower().rstrip("/")
+
+
+def host_allowed(host: str, bound: str) -> bool:
+    """Whether a request's Host header names this server and not a web page's domain: a loopback
+    name, or the address the server is bound to (a wildcard bind allows any name: it needs an api
+    key, which a web page does not have)."""
+    name = _host_name(host)
+    if name == "localhost" or name == bound or bound in ("0.0.0.0", "::", ""):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _refuse_web_pages(request: web.Request, ctx: Context) -> None:
+    """Refuse what only a web page sends: a foreign Host (DNS rebinding) or a foreign Origin."""
+    host = request.headers.get("Host")
+    if host is not None and not host_allowed(host, ctx.bound):
+        raise ApiError(403, f"Host {host!r} is not this server's: use localhost or 127.0.0.1 "
+                            "(a request naming another host is what DNS rebinding from a web page looks like)")
+    origin = request.headers.get("Origin")
+    if origin is not None:
+        origin = _origin(origin)
+        if origin != f"http://{(host or '').strip().lower()}" and origin not in ctx.allow_origins:
+            raise ApiError(403, f"requests from the web origin {origin!r} are refused (start the daemon "
+                                "with --allow-origin ORIGIN to serve a page there)")
+
+
 def _authorized(request: web.Request, key: str) -> bool:
     given = request.headers.get("x-api-key")
     if given is None:
@@ -547,6 +615,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """API key check, and every failure turned into the caller's API error format."""
     ctx = request.app[CTX]
     try:
+        _refuse_web_pages(request, ctx)
         if ctx.app.api_key and request.path not in _NO_KEY_NEEDED and not _authorized(request, ctx.app.api_key):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
         resp = await handler(request)
@@ -575,10 +644,12 @@ def _error_response(request: web.Request, e: ApiError) -> web.Response:
     return _json(body, e.status)
 
 
-def make_http_app(app: App, *, keepalive_s: float = KEEPALIVE_S) -> web.Application:
-    """The aiohttp application; it starts ``app``'s worker (idempotent) when the server starts."""
+def make_http_app(app: App, *, keepalive_s: float = KEEPALIVE_S, host: str = "127.0.0.1",
+                  allow_origins: Sequence[str] = ()) -> web.Application:
+    """The aiohttp application; it starts ``app``'s worker (idempotent) when the server starts.
+    ``host``: the bound address; ``allow_origins``: web origins whose pages may use the API."""
     web_app = web.Application(middlewares=[_errors], client_max_size=app.limits.max_body_bytes)
-    web_app[CTX] = Context(app, keepalive_s)
+    web_app[CTX] = Context(app, keepalive_s, host=host, allow_origins=allow_origins)
 
     async def start_worker(_: web.Application) -> None:
         app.start()
@@ -597,12 +668,14 @@ def make_http_app(app: App, *, keepalive_s: float = KEEPALIVE_S) -> web.Applicat
     return web_app
 
 
-async def start_http(app: App, host: str, port: int, *, keepalive_s: float = KEEPALIVE_S) -> web.AppRunner:
+async def start_http(app: App, host: str, port: int, *, keepalive_s: float = KEEPALIVE_S,
+                     allow_origins: Sequence[str] = ()) -> web.AppRunner:
     """Serve on ``host:port`` (0: any free port; ``runner.addresses[0][1]`` is the one bound).
 
     ``handler_cancellation`` makes aiohttp cancel a handler whose client disconnected, so its job
     is cancelled at once rather than at the next poll."""
-    runner = web.AppRunner(make_http_app(app, keepalive_s=keepalive_s), handler_cancellation=True)
+    runner = web.AppRunner(make_http_app(app, keepalive_s=keepalive_s, host=host, allow_origins=allow_origins),
+                           handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("HTTP on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses))

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import msgspec
+
+from warmspec_protocol.rpc import InlineCompletionSettings
+
 from ..tokenizer import Tokenizer
 from .app import App
 from .scheduler import PRIORITY_INTERACTIVE, Job
@@ -27,35 +31,54 @@ def cursor_context(text: str, offset: int, prefix_chars: int, suffix_chars: int)
     return text[start:offset], text[offset:end]
 
 
+class Window(msgspec.Struct, frozen=True):
+    """Everything one suggestion's job depends on: the document, the exact text before and after
+    the cursor that goes into the prompt, and the settings that shape the job. Two requests with
+    equal windows get the same greedy answer, so the window is the cache's key."""
+
+    uri: str
+    prefix: str
+    suffix: str
+    model: str
+    max_tokens: int
+    stop: tuple[str, ...]
+
+    def same_job_but_prefix(self, other: "Window") -> bool:
+        return (self.uri, self.suffix, self.model, self.max_tokens, self.stop) == (
+            other.uri, other.suffix, other.model, other.max_tokens, other.stop)
+
+
 class CompletionCache:
-    """Recent suggestions, keyed by the text around the cursor.
+    """Recent suggestions, keyed by their whole ``Window``.
 
     Typing the suggestion's own characters moves the cursor into it; the rest of the suggestion
-    is still the model's greedy answer there, so it is served without running the model. Only a
-    tail of the prefix is kept and compared, since the budget window slides as the user types.
+    is still the model's greedy answer there, so it is served without running the model: a
+    window whose prefix is a cached window's prefix plus the start of its suggestion (same
+    document, suffix and settings) is a hit. Any other difference in what the prompt holds -- an
+    edit anywhere in the window, another document -- is a miss. (The key used to be the last 512
+    characters of the prefix and the first 512 of the suffix, while the prompt holds 4096 and
+    1024: an edit further up, or another file ending the same way, got a stale or foreign answer.)
     """
-
-    TAIL = 512
 
     def __init__(self, size: int = 64):
         self.size = size
-        self._entries: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._entries: OrderedDict[Window, str] = OrderedDict()
         self.hits = 0
 
-    def lookup(self, prefix: str, suffix: str) -> str | None:
-        head = suffix[: self.TAIL]
-        for (tail, entry_head), text in reversed(self._entries.items()):
-            if entry_head != head:
+    def lookup(self, want: Window) -> str | None:
+        for window, text in reversed(self._entries.items()):
+            if not window.same_job_but_prefix(want) or not want.prefix.startswith(window.prefix):
                 continue
-            for typed in range(len(text)) if text else (0,):
-                if prefix.endswith(text[:typed]) and prefix[: len(prefix) - typed].endswith(tail):
-                    self._entries.move_to_end((tail, entry_head))
-                    self.hits += 1
-                    return text[typed:]
+            typed = len(want.prefix) - len(window.prefix)
+            if (typed < len(text) or typed == 0) and text.startswith(want.prefix[len(window.prefix):]):
+                self._entries.move_to_end(window)
+                self.hits += 1
+                return text[typed:]
         return None
 
-    def store(self, prefix: str, suffix: str, text: str) -> None:
-        self._entries[(prefix[-self.TAIL:], suffix[: self.TAIL])] = text
+    def store(self, window: Window, text: str) -> None:
+        self._entries[window] = text
+        self._entries.move_to_end(window)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
 
@@ -68,19 +91,27 @@ class GhostText:
         self.cache = CompletionCache()
         self.fim = fim_markers(app.lm.tokenizer)
 
-    def job(self, prefix: str, suffix: str, *, max_tokens: int, label: str) -> Job:
-        """The model continues ``prefix`` (given ``suffix`` too, when it knows fill-in-the-middle).
-        Mid-line a suggestion finishes the line; at a line's end it may run to a blank line.
-        Raises ``EngineError`` for a prompt the engine refuses."""
+    def window(self, uri: str, source: str, offset: int, settings: InlineCompletionSettings) -> Window:
+        """The window at ``offset`` of document ``uri``. Mid-line a suggestion finishes the line;
+        at a line's end it may run to a blank line."""
+        prefix, suffix = cursor_context(source, offset, settings.prefix_chars, settings.suffix_chars)
+        stop = ("\n",) if suffix.split("\n", 1)[0].strip() else ("\n\n",)
+        return Window(uri=uri, prefix=prefix, suffix=suffix, model=self.app.lm.name,
+                      max_tokens=settings.max_tokens, stop=stop)
+
+    def prompt_text(self, w: Window) -> str:
+        """The model continues the prefix (given the suffix too, when it knows fill-in-the-middle)."""
+        if self.fim is None:
+            return w.prefix
+        pre, suf, mid = self.fim
+        return f"{pre}{w.prefix}{suf}{w.suffix}{mid}"
+
+    def job(self, w: Window, *, label: str) -> Job:
+        """The job for ``w``. Tokenizes the window: call it off the event loop. Raises
+        ``EngineError`` for a prompt the engine refuses."""
         app = self.app
-        if self.fim is not None:
-            pre, suf, mid = self.fim
-            text = f"{pre}{prefix}{suf}{suffix}{mid}"
-        else:
-            text = prefix
-        stop = ["\n"] if suffix.split("\n", 1)[0].strip() else ["\n\n"]
-        return app.job(app.text_prompt(text), app.sampling(temperature=0.0), max_tokens=max_tokens,
-                       stop=stop, priority=PRIORITY_INTERACTIVE, label=label)
+        return app.job(app.text_prompt(self.prompt_text(w)), app.sampling(temperature=0.0),
+                       max_tokens=w.max_tokens, stop=list(w.stop), priority=PRIORITY_INTERACTIVE, label=label)
 
 
 def fim_markers(tok: Tokenizer) -> tuple[str, str, str] | None:

@@ -52,8 +52,8 @@ from ..engine import Delta, EngineError, Finished
 from ..workspace import WorkspaceError, path_from_uri
 from .app import App
 from .framing import HEADER_LIMIT, FrameError, frame, read_frame
-from .inline import GhostText, cursor_context
-from .scheduler import PRIORITY_NORMAL, Job, Ticket
+from .inline import GhostText
+from .scheduler import PRIORITY_NORMAL, Busy, Job, Ticket
 
 log = logging.getLogger("warmspec.rpc")
 
@@ -160,9 +160,12 @@ class WarmspecProtocol(LanguageServerProtocol):
     def send_error(self, msg_id: wire.RequestId | None, code: ErrorCode, message: str) -> None:
         """An error pygls cannot send: its error message type drops a null id."""
         if self.writer is not None:
-            body = msgspec.json.encode(wire.ErrorResponse(
-                id=msg_id, error=wire.ErrorObject(code=int(code), message=message)))
-            self.writer.write(frame(body))
+            self.writer.write(error_frame(msg_id, code, message))
+
+
+def error_frame(msg_id: wire.RequestId | None, code: ErrorCode, message: str) -> bytes:
+    return frame(msgspec.json.encode(wire.ErrorResponse(id=msg_id, error=wire.ErrorObject(code=int(code),
+                                                                                        message=message))))
 
 
 # -- one connection --------------------------------------------------------------------------------
@@ -210,10 +213,12 @@ class Connection(LanguageServer):
     async def serve(self, reader: asyncio.StreamReader, writer: Any) -> None:
         self._reader = reader
         self.protocol.set_writer(writer)
-        limit = self.app.limits.max_body_bytes
+        limits = self.app.limits
         log.debug("%s connected", self.name)
         try:
             while not self.closing:
+                # Until the key is presented, only a frame the size of an initialize is read.
+                limit = limits.max_body_bytes if self.authorized else limits.max_preauth_frame_bytes
                 try:
                     body = await read_frame(reader, limit)
                 except FrameError as e:
@@ -554,8 +559,11 @@ def models(ls: Connection, params: wire.NoParams) -> wire.ModelsResult:
 @feature("warmspec/chat")
 async def chat(ls: Connection, params: wire.ChatParams) -> wire.GenerateResult:
     try:
+        ls.app.admit()
         prompt, conversation = await asyncio.to_thread(ls.app.chat_request, params.messages,
                                                        conversation=params.conversation)
+    except Busy as e:
+        raise RpcError(ErrorCode.BUSY, str(e)) from None
     except EngineError as e:
         raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
     params = msgspec.structs.replace(params, conversation=conversation)
@@ -565,7 +573,10 @@ async def chat(ls: Connection, params: wire.ChatParams) -> wire.GenerateResult:
 @feature("warmspec/complete")
 async def complete(ls: Connection, params: wire.CompleteParams) -> wire.GenerateResult:
     try:
-        prompt = ls.app.text_prompt(params.prompt)
+        ls.app.admit()  # the size and queue checks come before the tokenizer, which runs off the loop
+        prompt = await asyncio.to_thread(ls.app.text_prompt, params.prompt)
+    except Busy as e:
+        raise RpcError(ErrorCode.BUSY, str(e)) from None
     except EngineError as e:
         raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
     return await ls.generate(prompt, params, "complete")
@@ -580,25 +591,27 @@ async def inline_completion(ls: Connection, params: lsp.InlineCompletionParams) 
     doc = ls.open_document(uri)
     offset = doc.offset_at_position(params.position)
     ghost = ls.service.ghost
-    prefix, suffix = cursor_context(doc.source, offset, ls.settings.prefix_chars, ls.settings.suffix_chars)
-    if not prefix.strip():
+    window = ghost.window(doc.uri, doc.source, offset, ls.settings)
+    if not window.prefix.strip():
         return lsp.InlineCompletionList(items=[])  # nothing to continue yet
-    text = ghost.cache.lookup(prefix, suffix)
+    text = ghost.cache.lookup(window)
     if text is None:
+        label = f"{ls.name} #{ls.protocol.msg_id} inline"
         try:
-            job = ghost.job(prefix, suffix, max_tokens=ls.settings.max_tokens,
-                            label=f"{ls.name} #{ls.protocol.msg_id} inline")
+            ls.app.admit()
+            job = await asyncio.to_thread(ghost.job, window, label=label)  # tokenizes the window
+            text = (await ls.run_job(job)).text
+        except Busy as e:
+            raise RpcError(ErrorCode.BUSY, str(e)) from None
         except EngineError as e:
             raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
-        try:
-            text = (await ls.run_job(job)).text
         except asyncio.CancelledError:
             if asyncio.current_task() in ls.superseded:
                 ls.superseded.discard(asyncio.current_task())
                 raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request for "
                                "this document replaced this one") from None
             raise
-        ghost.cache.store(prefix, suffix, text)
+        ghost.cache.store(window, text)
     if ls.inline.get(uri) is asyncio.current_task():
         del ls.inline[uri]
     here = lsp.Range(start=params.position, end=params.position)
@@ -619,6 +632,7 @@ class RpcService:
         self.connections: set[Connection] = set()
         self._servers: list[asyncio.AbstractServer] = []
         self._ids = itertools.count(1)
+        self._open = 0  # socket and TCP connections being served, for Limits.max_connections
         # One thread, in order: tokenizing a large file must not stall the event loop, and a
         # document's changes must be indexed in the order they were made.
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="warmspec-index")
@@ -653,11 +667,20 @@ class RpcService:
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = writer.get_extra_info("peername")
             name = f"{kind}#{next(self._ids)}" + (f" {peer[0]}:{peer[1]}" if kind == "tcp" and peer else "")
+            limit = self.app.limits.max_connections
+            if self._open >= limit:
+                log.warning("%s refused: %d connections are open (the limit)", name, self._open)
+                writer.write(error_frame(None, ErrorCode.BUSY, f"too many connections: the daemon serves "
+                                                               f"{limit} at once; try again later"))
+                writer.close()
+                return
+            self._open += 1
             conn = Connection(self, name, transport=kind)
             self.connections.add(conn)
             try:
                 await conn.serve(reader, writer)
             finally:
+                self._open -= 1
                 writer.close()
 
         return accept
