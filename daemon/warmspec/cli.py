@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rpc-port", type=int, default=None, help="JSON-RPC over TCP port")
     serve.add_argument("--api-key", default=None,
                        help="clients must present this key (default: $WARMSPEC_API_KEY)")
+    serve.add_argument("--prefix-budget", type=int, default=None, metavar="BYTES",
+                       help="memory for parked prefix caches (default: a quarter of RAM, at most 8 GiB)")
 
     lsp = sub.add_parser("lsp", help="LSP/JSON-RPC on stdio for an editor, served by the daemon",
                          description="For an editor that spawns its language server: relay stdio to "
