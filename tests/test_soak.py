@@ -45,8 +45,10 @@ def test_soak_runs_end_to_end_and_reports(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "warmspec", "soak", "--seconds", "15", "--out", str(out), "--model", str(model),
          "--seed", "3", "--editors", "2", "--relay-editors", "1", "--agents", "3", "--workspace-files", "8",
-         "--sample-s", "1", "--drain-s", "5", "--request-timeout", "60", "--long-prompt-chars", "2000",
-         "--prefix-budget", "400000"],  # ~800 tokens of the tiny model's states: evictions
+         "--sample-s", "1", "--drain-s", "5", "--request-timeout", "60", "--max-tokens", "8",
+         "--inline-max-tokens", "8", "--inline-prefix-chars", "400", "--inline-suffix-chars", "100",
+         "--tool-chars", "300", "--long-prompt-chars", "1500",
+         "--prefix-budget", "400000"],  # ~800 tokens of the tiny model's states (bytes): evictions
         capture_output=True, text=True, timeout=300)
     assert run.returncode in (0, 1), run.stderr[-3000:]
     res = msgspec.json.decode((out / "results.json").read_bytes(), type=SoakResults)

@@ -314,8 +314,10 @@ class Rpc:
             return  # log messages and the like
         if env.id is msgspec.UNSET or env.id is None:
             self.anonymous.put_nowait(env)
-        elif (fut := self.pending.pop(env.id, None)) is not None and not fut.done():
-            fut.set_result(env)
+        else:
+            self.deltas.pop(env.id, None)
+            if (fut := self.pending.pop(env.id, None)) is not None and not fut.done():
+                fut.set_result(env)
 
     async def write(self, data: bytes) -> None:
         if self.closed.is_set():
@@ -374,14 +376,15 @@ class Rpc:
 
     async def close(self, timeout: float) -> int | None:
         """LSP's orderly end (shutdown, exit); a relay's exit status (0 after shutdown and exit)."""
+        said = False
         try:
             await self.call("shutdown", None, timeout)
             await self.notify("exit", None)
-        except BaseException:
-            self.abort()
-            raise
+            said = True
         finally:
             self.writer.close()
+            if not said:
+                self.abort()
         if self.proc is None:
             return None
         try:
@@ -526,7 +529,8 @@ class Req:
             id=self.id, actor=self.actor, kind=self.kind, transport=self.transport,
             intent=intent or self.intent, outcome=outcome, started_s=round(self.t - self.ctx.t0, 3),
             latency_s=round(now - self.t, 3), ttft_s=None if first is None else round(first - self.t, 3),
-            cancel_latency_s=None if self.cancel_at is None or outcome != "cancelled" else round(now - self.cancel_at, 3),
+            cancel_latency_s=(round(now - self.cancel_at, 3) if self.cancel_at is not None and outcome == "cancelled"
+                              else None),
             greedy=self.greedy, key=key, text=answer.text if keep else None,
             tokens=answer.tokens if keep else None, error=error or answer.error)
         if not self.recorded:
@@ -878,7 +882,7 @@ class Editor:
         while self.ctx.running():
             await self.burst()
             await self.request()  # the pause after typing: what editors ask ghost text for
-            await pause(self.ctx, rng.uniform(1.0, 5.0))
+            await pause(self.ctx, rng.uniform(2.0, 8.0))  # reading, thinking
             r = rng.random()
             if r < 0.1 or len(self.text) > 2 * len(self.ctx.texts[self.path]) + 2000:
                 await self.close_document()
@@ -1072,10 +1076,13 @@ async def chaos(ctx: Ctx) -> None:
     order = list(CHAOS)
     rng.shuffle(order)
     connector = aiohttp.TCPConnector(force_close=True)  # a dropped request closes its connection
+    poll: Rpc | None = None  # for warmspec/status: when has the worker taken our job?
     async with aiohttp.ClientSession(connector=connector) as session:
         for n in itertools.count():
             if not ctx.running():
                 break
+            if poll is None or poll.closed.is_set():
+                poll = await connect(ctx, "chaos", numbers)
             scenario = order[n % len(order)]
             early = scenario in ("cancel_prefill_rpc", "drop_prefill_rpc", "drop_prefill_http", "drop_whole_http")
             prompt = long_prompt(ctx, rng) if early else rng.choice(TASKS).format(
@@ -1083,15 +1090,34 @@ async def chaos(ctx: Ctx) -> None:
             max_tokens = s.max_tokens if early else 2 * s.max_tokens
             delay = rng.uniform(0.2, 1.0)
             if scenario.endswith("_rpc"):
-                await chaos_rpc(ctx, scenario, numbers, prompt, max_tokens, delay)
+                await chaos_rpc(ctx, poll, scenario, numbers, prompt, max_tokens, delay)
             else:
-                await chaos_http(ctx, session, scenario, numbers, prompt, max_tokens, delay)
+                await chaos_http(ctx, poll, session, scenario, numbers, prompt, max_tokens, delay)
             await pause(ctx, rng.uniform(0.5, 2.0))
+    if poll is not None:
+        poll.abort()
 
 
-async def chaos_rpc(ctx: Ctx, kind: str, numbers: Any, prompt: str, max_tokens: int, delay: float) -> None:
-    """``$/cancelRequest`` (the reply, -32800, must come) or a hang-up, before the first token
-    (``*_prefill``: after ``delay``) or after it (``*_decode``, ``*_stream``)."""
+async def taken(ctx: Ctx, poll: Rpc | None, answer: asyncio.Future) -> None:
+    """Until the worker has most likely taken our job: a moment after sending it, the queue is
+    empty while a job runs. Best effort (another client's job may be the one running), so that a
+    cancel lands in its prefill rather than in the queue, where any job is dropped at once."""
+    start = time.monotonic()
+    while poll is not None and not answer.done() and time.monotonic() - start < ctx.settings.request_timeout_s:
+        try:
+            st = await poll.call("warmspec/status", None, ctx.settings.request_timeout_s)
+        except (Closed, RpcFailure, asyncio.TimeoutError):
+            return
+        if time.monotonic() - start >= 0.2 and st["queue"] == 0 and st["active"]:
+            return
+        await asyncio.wait([answer], timeout=0.1)
+
+
+async def chaos_rpc(ctx: Ctx, poll: Rpc | None, kind: str, numbers: Any, prompt: str, max_tokens: int,
+                    delay: float) -> None:
+    """``$/cancelRequest`` (the reply, -32800, must come) or a hang-up, during prefill
+    (``*_prefill``: ``delay`` after the job was taken) or after the first token (``*_decode``,
+    ``*_stream``). The cancel latency shows whether prefill stops for it."""
     conn = await connect(ctx, "chaos", numbers)
     if conn is None:
         return
@@ -1109,6 +1135,7 @@ async def chaos_rpc(ctx: Ctx, kind: str, numbers: Any, prompt: str, max_tokens: 
     try:
         msg_id, fut = await conn.start(spec.method, spec.params, on_delta=on_delta)
         if kind.endswith("prefill_rpc"):
+            await taken(ctx, poll, fut)
             await asyncio.wait([fut], timeout=delay)
         else:
             await first_of(fut, first, s.request_timeout_s)
@@ -1143,9 +1170,10 @@ async def first_of(fut: asyncio.Future, event: asyncio.Event, timeout: float) ->
         waiter.cancel()
 
 
-async def chaos_http(ctx: Ctx, session: Any, kind: str, numbers: Any, prompt: str, max_tokens: int,
-                     delay: float) -> None:
-    """A client that leaves: after ``delay`` (before the first token), or after the first text."""
+async def chaos_http(ctx: Ctx, poll: Rpc | None, session: Any, kind: str, numbers: Any, prompt: str,
+                     max_tokens: int, delay: float) -> None:
+    """A client that leaves: during prefill (``delay`` after its job was taken), or after the
+    first text (``drop_stream_http``)."""
     s = ctx.settings
     stream = kind != "drop_whole_http"
     spec = chat_body("openai", [Turn("system", "You are terse."), Turn("user", prompt)], stream=stream,
@@ -1162,6 +1190,7 @@ async def chaos_http(ctx: Ctx, session: Any, kind: str, numbers: Any, prompt: st
         if kind == "drop_stream_http":
             await first_of(call, first, s.request_timeout_s)
         else:
+            await taken(ctx, poll, call)
             await asyncio.wait([call], timeout=delay)
         if call.done():
             ans = call.result()
