@@ -22,7 +22,7 @@ from warmspec.server.app import App
 from warmspec.server.http import Context
 from warmspec.tokenizer import byte_tokenizer
 from warmspec_protocol import GenerationStats, ModelInfo, SamplingParams, Status
-from warmspec_protocol.soak import DaemonRun, MemorySample, ReplayRecord, RequestRecord, SoakResults
+from warmspec_protocol.soak import DaemonRun, MemorySample, RequestRecord, SoakResults
 
 
 def tiny_model_dir(path: Path) -> Path:

@@ -6,19 +6,21 @@ socket, ``warmspec lsp`` stdio relays and HTTP. Nothing of the daemon is importe
 ``--seconds`` it runs, at once:
 
 - editors: an open buffer of a real Python file (stdlib modules copied into a workspace), typed
-  into at 100-300 ms a keystroke with full-sync ``didChange``, ``textDocument/inlineCompletion``
-  at the cursor on some keystrokes and after each burst; a newer request supersedes the older one
-  (the daemon answers it -32801, or -32800 when the editor also sent ``$/cancelRequest``). Now and
-  then an editor switches files, moves its cursor, or drops its connection with a request in
-  flight and reconnects;
+  into in bursts at 100-300 ms a keystroke with full-sync ``didChange`` (2-8 s of reading between
+  bursts), ``textDocument/inlineCompletion`` at the cursor on some keystrokes and after each
+  burst; a newer request supersedes the older one (the daemon answers it -32801, or -32800 when
+  the editor also sent ``$/cancelRequest``). Now and then an editor switches files, moves its
+  cursor, or drops its connection with a request in flight and reconnects;
 - agents: multi-turn conversations over HTTP (OpenAI chat completions, Anthropic messages) or
   ``warmspec/chat`` on the socket, streamed and not, whose history carries ``read_file`` tool calls
   naming workspace files (indexed through the tool-call path, or ``warmspec/didRead``) and their
   results; each turn resends the history plus a new step. Each agent alternates two
   conversations and they all share a small prefix-cache budget: eviction pressure. Agents also
   rewrite workspace files on disk (the watcher re-indexes them);
-- chaos: requests cancelled before their first token (a long prompt, then ``$/cancelRequest`` or a
-  closed connection) and during decoding, HTTP and socket clients that leave mid-stream;
+- chaos: requests cancelled during prefill (a long prompt, then ``$/cancelRequest`` or a closed
+  connection, once the worker has taken the job) and during decoding, HTTP and socket clients that
+  leave mid-stream; the cancel latency (``$/cancelRequest`` to the reply) shows whether prefill
+  stops for a cancel;
 - fuzz: malformed frames and bad requests on fresh connections, each of which must get an error
   while the connection (when the frame allows it) and the daemon keep serving;
 - a sampler: the daemon's resident memory (``/proc/PID/status`` VmRSS) and ``warmspec/status``.
@@ -55,6 +57,7 @@ import os
 import platform
 import random
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -88,6 +91,7 @@ from warmspec_protocol.soak import (
 READY_TIMEOUT_S = 900.0  # a first start on a cold cache downloads the model
 STOP_TIMEOUT_S = 60.0
 RSS_TOLERANCE = 0.10
+TAKEN_S = 20.0  # how long a prefill cancel waits for its job to leave the queue
 FRAME_LIMIT = 1 << 24
 FIRST_FUZZ_ID = 1_000_000  # ids of hand-made frames: never one of the connection's own
 TRIGGER_AUTOMATIC = 2  # LSP InlineCompletionTriggerKind.Automatic: as the user types
@@ -1101,9 +1105,10 @@ async def chaos(ctx: Ctx) -> None:
 async def taken(ctx: Ctx, poll: Rpc | None, answer: asyncio.Future) -> None:
     """Until the worker has most likely taken our job: a moment after sending it, the queue is
     empty while a job runs. Best effort (another client's job may be the one running), so that a
-    cancel lands in its prefill rather than in the queue, where any job is dropped at once."""
+    cancel lands in its prefill rather than in the queue, where any job is dropped at once. A
+    daemon whose queue never empties (more load than it serves) gets the cancel after TAKEN_S."""
     start = time.monotonic()
-    while poll is not None and not answer.done() and time.monotonic() - start < ctx.settings.request_timeout_s:
+    while poll is not None and not answer.done() and time.monotonic() - start < TAKEN_S:
         try:
             st = await poll.call("warmspec/status", None, ctx.settings.request_timeout_s)
         except (Closed, RpcFailure, asyncio.TimeoutError):
@@ -1626,7 +1631,8 @@ def report(res: SoakResults) -> str:
         f"Verdict: {verdict(res)}", "",
         f"- machine: {m.cpu}, {m.cores} cores, {m.os}; {m.device}, {m.blas}; MLX {m.mlx}, mlx-lm {m.mlx_lm}, "
         f"Python {m.python}; load average {m.load_avg:.2f} at start",
-        f"- started {res.started_at}; the load ran {res.load_s:.0f} s (drain included)",
+        (f"- started {res.started_at}; the load ran {res.load_s:.0f} s (drain included); the harness itself "
+         f"used {res.harness_cpu_s:.0f} s of CPU (clients, replay, report; not the daemons)"),
         (f"- load: {s.editors} editors ({s.relay_editors} through `warmspec lsp`), {s.agents} agents, chaos "
          f"(cancels, hang-ups), fuzz (bad frames and requests); chats max_tokens {s.max_tokens}, ghost text "
          f"{s.inline_prefix_chars}/{s.inline_suffix_chars} characters around the cursor, {s.inline_max_tokens} "
@@ -1789,6 +1795,7 @@ def soak(settings: SoakSettings, out: Path) -> SoakResults:
         daemons.append(stop_daemon(fresh, None))
     daemons[1].status = replay_status
     warmup_s = settings.warmup_fraction * settings.seconds
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     records = sorted(ctx.records, key=lambda r: r.started_s)
     m = machine(status)
     m.load_avg = load_avg
@@ -1796,6 +1803,7 @@ def soak(settings: SoakSettings, out: Path) -> SoakResults:
     return SoakResults(
         settings=settings, machine=m, model=status.model.id if status else (settings.model or "default"),
         started_at=started, load_s=round(load_s, 1), warmup_s=warmup_s,
+        harness_cpu_s=round(usage.ru_utime + usage.ru_stime, 1),
         replay_daemon=("a fresh daemon, started as the load's was: the load's own would answer ghost text from "
                        "its completion cache and resume prompts from prefix states built under load, comparing "
                        "a state corrupted under load with itself"),

@@ -139,6 +139,7 @@ class SoakResults(Struct, kw_only=True):
     started_at: str
     load_s: float  # how long the load ran (drain included)
     warmup_s: float
+    harness_cpu_s: float  # CPU the harness used itself: the clients must not be the load
     replay_daemon: str  # which daemon answered the replays, and why
     keystrokes: int  # didChange notifications sent
     daemons: list[DaemonRun]
