@@ -150,6 +150,7 @@ def pick_files(n: int, seed: int, dest: Path) -> list[Path]:
 class Daemon:
     role: str
     proc: subprocess.Popen
+    runtime: Path  # its runtime directory, removed when it has stopped
     socket: Path
     http: str  # base URL
     log: Path
@@ -185,7 +186,7 @@ def start_daemon(role: str, out: Path, settings: SoakSettings, workspace: Path) 
         text = log.read_text(errors="replace")
         ready = re.search(r"ready: .*HTTP on (http://\S+?:\d+)", text)
         if ready:
-            return Daemon(role, proc, sock, ready.group(1), log, time.monotonic() - t)
+            return Daemon(role, proc, rt, sock, ready.group(1), log, time.monotonic() - t)
         if proc.poll() is not None:
             raise SoakError(f"the {role} daemon exited ({proc.returncode}) before it was ready; "
                             f"the end of {log}:\n" + "\n".join(text.splitlines()[-12:]))
@@ -209,6 +210,7 @@ def stop_daemon(d: Daemon, status: Status | None) -> DaemonRun:
             d.proc.kill()
             d.proc.wait()
             exit_code = None
+    shutil.rmtree(d.runtime)  # a daemon that died leaves its socket and pid file
     return DaemonRun(role=d.role, pid=d.pid, log=str(d.log), ready_s=round(d.ready_s, 2), alive=alive,
                      exit_code=exit_code, stop_s=None if stop_s is None else round(stop_s, 2),
                      log_errors=log_errors(d.log.read_text(errors="replace")), status=status)
@@ -1766,9 +1768,18 @@ def machine(status: Status | None) -> Machine:
 
 
 def soak(settings: SoakSettings, out: Path) -> SoakResults:
+    """The load, then the replay; the workspace copy is removed afterwards (the seed makes it
+    again), the logs stay in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     workspace = out / "workspace"
     files = pick_files(settings.workspace_files, settings.seed, workspace)
+    try:
+        return _soak(settings, out, workspace, files)
+    finally:
+        shutil.rmtree(workspace)
+
+
+def _soak(settings: SoakSettings, out: Path, workspace: Path, files: list[Path]) -> SoakResults:
     texts = {f: f.read_text() for f in files}
     inline = wire.InlineCompletionSettings(prefix_chars=settings.inline_prefix_chars,
                                            suffix_chars=settings.inline_suffix_chars,
@@ -1807,7 +1818,7 @@ def soak(settings: SoakSettings, out: Path) -> SoakResults:
         replay_daemon=("a fresh daemon, started as the load's was: the load's own would answer ghost text from "
                        "its completion cache and resume prompts from prefix states built under load, comparing "
                        "a state corrupted under load with itself"),
-        keystrokes=ctx.keystrokes, daemons=daemons, requests=records, kinds=summarize(records),
+        files=[f.name for f in files], keystrokes=ctx.keystrokes, daemons=daemons, requests=records, kinds=summarize(records),
         memory=ctx.memory, replays=replays, criteria=criteria, passed=all(c.passed for c in criteria))
 
 

@@ -141,6 +141,7 @@ class SoakResults(Struct, kw_only=True):
     warmup_s: float
     harness_cpu_s: float  # CPU the harness used itself: the clients must not be the load
     replay_daemon: str  # which daemon answered the replays, and why
+    files: list[str]  # the workspace: stdlib modules (``json__decoder.py`` is ``json/decoder.py``)
     keystrokes: int  # didChange notifications sent
     daemons: list[DaemonRun]
     requests: list[RequestRecord]
