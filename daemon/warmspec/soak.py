@@ -1616,7 +1616,7 @@ def _s(x: float | None) -> str:
 
 
 def _mib(x: int | None) -> str:
-    return "" if x is None else f"{x / 2**20:.0f}"
+    return "" if x is None else f"{x / 2**20:.0f}" if x >= 10 << 20 else f"{x / 2**20:.2f}"
 
 
 def verdict(res: SoakResults) -> str:
@@ -1639,7 +1639,7 @@ def report(res: SoakResults) -> str:
          f"(cancels, hang-ups), fuzz (bad frames and requests); chats max_tokens {s.max_tokens}, ghost text "
          f"{s.inline_prefix_chars}/{s.inline_suffix_chars} characters around the cursor, {s.inline_max_tokens} "
          f"tokens; tool results {s.tool_chars} characters, long prompts {s.long_prompt_chars}; prefix budget "
-         f"{s.prefix_budget_bytes / 2**20:.0f} MiB; {s.workspace_files} workspace files; "
+         f"{_mib(s.prefix_budget_bytes)} MiB; {s.workspace_files} workspace files; "
          f"{res.keystrokes} keystrokes (didChange)"),
         f"- replays: {res.replay_daemon}", "",
         "## Criteria", "",
@@ -1838,8 +1838,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--relay-editors", type=int, default=1, help="of the editors, how many use `warmspec lsp`")
     p.add_argument("--agents", type=int, default=3, help="agents: OpenAI HTTP, Anthropic HTTP, socket, in turn")
     p.add_argument("--max-tokens", type=int, default=24, help="most tokens of a chat answer")
-    p.add_argument("--inline-max-tokens", type=int, default=16)
-    p.add_argument("--inline-prefix-chars", type=int, default=1500)
+    p.add_argument("--inline-max-tokens", type=int, default=12)
+    p.add_argument("--inline-prefix-chars", type=int, default=1000)
     p.add_argument("--inline-suffix-chars", type=int, default=300)
     p.add_argument("--tool-chars", type=int, default=1200, help="most characters of a file in a tool result")
     p.add_argument("--long-prompt-chars", type=int, default=5000, help="prompts cancelled during prefill")
