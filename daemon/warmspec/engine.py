@@ -130,6 +130,7 @@ class Engine:
         self._costs = costs
         self._gate: Gate | None = None
         self.totals = GenerationStats()
+        self.resets = 0  # live caches dropped after a failure: a healthy daemon keeps this at 0
 
     @property
     def costs(self) -> CostTable:
@@ -169,6 +170,7 @@ class Engine:
     def reset(self) -> None:
         """Drop the live cache (after a failure left it in an unknown state)."""
         self.live = CacheState(make_prompt_cache(self.model))
+        self.resets += 1
 
     # -- measurement ----------------------------------------------------------------------------
 

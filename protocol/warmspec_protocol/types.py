@@ -161,6 +161,7 @@ class Status(Struct, kw_only=True):
     workspace_bytes: int = 0
     workspace_roots: list[str] = []
     prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    engine_resets: int = 0  # live caches dropped after an internal error (0 when healthy)
 
 
 def to_builtins(obj: Struct) -> dict:

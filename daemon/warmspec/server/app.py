@@ -207,4 +207,4 @@ class App:
                       totals=self.engine.totals,
                       workspace_files=len(ws.files), workspace_bytes=ws.nbytes,
                       workspace_roots=[str(r) for r in ws.roots], pid=os.getpid(),
-                      prefix_cache=self.engine.prefix_stats())
+                      prefix_cache=self.engine.prefix_stats(), engine_resets=self.engine.resets)

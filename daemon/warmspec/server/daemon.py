@@ -186,7 +186,8 @@ def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None
     t = time.perf_counter()
     lm = load(args.model)
     engine = Engine(lm, speculate=not args.no_speculate, max_draft=args.max_draft,
-                    cost_cache=default_cost_cache(lm, args.max_draft))
+                    cost_cache=default_cost_cache(lm, args.max_draft),
+                    prefix_budget_bytes=getattr(args, "prefix_budget", None))  # serve's option only
     if engine.speculate:
         log.info("verify costs: measured once per machine and model (a few seconds), then kept")
         engine.costs

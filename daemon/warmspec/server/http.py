@@ -520,6 +520,8 @@ class Context:
                [("", self.disconnects)])
         metric("requests_completed_total", "counter", "Jobs the engine finished.", [("", st.requests_completed)])
         metric("requests_failed_total", "counter", "Jobs that failed.", [("", st.requests_failed)])
+        metric("engine_resets_total", "counter", "Live caches dropped after an internal error.",
+               [("", st.engine_resets)])
         metric("queue_depth", "gauge", "Jobs waiting for the engine.", [("", st.queue)])
         metric("active_requests", "gauge", "Jobs being decoded (0 or 1).", [("", int(st.active))])
         metric("prompt_tokens_total", "counter", "Prompt tokens of finished jobs.", [("", t.prompt_tokens)])
