@@ -247,3 +247,24 @@ def test_host_time_turns_a_slow_drafter_off():
     fast = SlowDrafter(prompt, plain, delay=0.0)
     decode(lm, prompt, 60, drafter=fast, speculate=True, engine=fast_engine)
     assert fast_engine.gate.skipped == 0 and fast.calls > 25
+
+
+def test_a_repeated_answer_is_drafted_from_the_engine_s_recent_answers():
+    """A request answered before (a retry, an agent repeating itself in another conversation)
+    drafts from the earlier answer: nearly the whole answer in few passes, still plain's tokens."""
+    lm = tiny.build("llama")
+    prompt = np.random.default_rng(21).integers(0, tiny.VOCAB, 30).tolist()
+    plain, _ = decode(lm, prompt, 60)
+    engine = Engine(lm, speculate=True, costs=CostTable(CHEAP.points), gated=False, observe_costs=False)
+    first, st1 = decode(lm, prompt, 60, speculate=True, engine=engine)
+    engine.reset()
+    engine.store.clear()  # no cached state: the second run must draft, not reuse
+    again, st2 = decode(lm, prompt, 60, speculate=True, engine=engine)
+    assert first == again == plain
+    assert st2.accepted >= 50 and st2.passes <= 12
+    assert st2.accepted > st1.accepted + 30
+    engine.recent.clear()
+    engine.reset()
+    engine.store.clear()
+    _, st3 = decode(lm, prompt, 60, speculate=True, engine=engine)
+    assert st3.accepted == st1.accepted  # without the recent answers: as the first time

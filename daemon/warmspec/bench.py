@@ -223,10 +223,12 @@ def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence
 
 
 def flush(engine: Engine) -> None:
-    """Forget every cached prefix, so that runs are independent: ``reset`` drops the live state,
-    and the prefix store would serve a repeat of the same prompt from a parked one."""
+    """Forget every cached prefix and earlier answer, so that runs are independent: ``reset`` drops
+    the live state, the prefix store would serve a repeat of the same prompt from a parked one, and
+    the engine drafts from its recent answers."""
     engine.reset()
     engine.store.clear()
+    engine.recent.clear()
 
 
 def run_modes(engines: dict[str, Engine], prep: Prepared, max_tokens: int,

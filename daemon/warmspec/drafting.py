@@ -262,3 +262,39 @@ class NgramDrafter:
         else:
             return None
         return self._draft(f, k)
+
+
+RECENT_ANSWERS = 32
+RECENT_TOKENS = 1 << 16
+RECENT_PRIORITY = 0  # below every workspace source
+MIN_RECENT = 16  # shorter answers ("OK.") are not worth an index
+
+
+class RecentAnswers:
+    """The engine's recent answers, as n-gram sources for later requests: agents repeat tool
+    calls, file paths and code across conversations (the observation behind SuffixDecoding), and
+    an answer regenerated after a retry is the answer before it. Bounded in answers and tokens;
+    owned by the decode thread, which both writes and reads it."""
+
+    def __init__(self, max_answers: int = RECENT_ANSWERS, max_tokens: int = RECENT_TOKENS,
+                 *, min_n: int = DEFAULT_MIN_N):
+        self.max_answers = max_answers
+        self.max_tokens = max_tokens
+        self.min_n = min_n
+        self._answers: deque[NgramIndex] = deque()
+        self._tokens = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < MIN_RECENT:
+            return
+        self._answers.append(NgramIndex(tokens[-self.max_tokens:], name="recent answer", min_n=self.min_n))
+        self._tokens += len(self._answers[-1])
+        while len(self._answers) > self.max_answers or self._tokens > self.max_tokens:
+            self._tokens -= len(self._answers.popleft())
+
+    def sources(self) -> list[Source]:
+        return [(a, RECENT_PRIORITY) for a in reversed(self._answers)]
+
+    def clear(self) -> None:
+        self._answers.clear()
+        self._tokens = 0

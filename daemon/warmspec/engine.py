@@ -29,7 +29,7 @@ from warmspec_protocol import FinishReason, GenerationStats, PrefixCacheStats, S
 
 from . import hybrid
 from .cache import CacheState, Checkpoint, PrefixStore, has_recurrent, layers
-from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, Source
+from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, RecentAnswers, Source
 from .gate import CostTable, Gate
 from .model import LoadedModel
 from .sampling import distribution, make_rng, sample, verify_sampled
@@ -146,6 +146,7 @@ class Engine:
         self._gate: Gate | None = None
         self.totals = GenerationStats()
         self._last_read: float | None = None  # when the last pipelined token was read
+        self.recent = RecentAnswers(min_n=min_n)  # earlier answers, drafted from
 
     @property
     def costs(self) -> CostTable:
@@ -315,12 +316,13 @@ class Engine:
         self._prefill(prompt, run.stats)
         run.stats.prefill_s = time.perf_counter() - t0
         if drafter is None and speculate:
-            drafter = NgramDrafter(prompt, sources, min_n=self.min_n)
+            drafter = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n)
         if drafter is not None:
             self.gate  # measure verify costs now (once), not inside the timed decode
         t0 = time.perf_counter()
         eos = self.tokenizer.eos_ids
         self._last_read = None
+        answer: list[int] = []
         passes = self._decode(prompt[-1], run, drafter)
         try:
             if cancelled is not None and cancelled():
@@ -339,6 +341,7 @@ class Engine:
                 if new:
                     if drafter is not None:
                         drafter.extend(new)
+                    answer.extend(new)
                     yield new
                 if run.budget <= 0:
                     break
@@ -349,6 +352,7 @@ class Engine:
             passes.close()
             run.stats.decode_s = time.perf_counter() - t0
             self.live.checkpoint()  # the end of the answer: the next turn resends it
+            self.recent.add(answer)
 
     def _decode(self, pending: int, run: Run, drafter: Drafter | None) -> Iterator[list[int]]:
         """The decode loop: yield the tokens each pass adds, for plain and speculative decoding.
