@@ -91,6 +91,7 @@ def test_ngram_self_drafting_exact(arch):
     spec, stats = decode(lm, prompt, 50, speculate=True, gated=False)
     assert spec == plain
     assert stats.drafted > 0
+    assert set(stats.sources) == {"request"} and stats.sources["request"].drafted == stats.drafted
 
 
 def copy_prompt(lm):
@@ -263,6 +264,7 @@ def test_a_repeated_answer_is_drafted_from_the_engine_s_recent_answers():
     assert first == again == plain
     assert st2.accepted >= 50 and st2.passes <= 12
     assert st2.accepted > st1.accepted + 30
+    assert st2.sources["recent"].accepted >= 50 and "recent" not in st1.sources
     engine.recent.clear()
     engine.reset()
     engine.store.clear()

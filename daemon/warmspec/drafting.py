@@ -28,7 +28,7 @@ class Proposal(msgspec.Struct, frozen=True):
 
     tokens: list[int]
     match_len: int
-    source: str
+    source: str  # the kind of source: request, workspace, recent, prediction, ...
 
 
 class Drafter(Protocol):
@@ -42,8 +42,10 @@ class Drafter(Protocol):
 class NgramIndex:
     """An append-only token sequence with an index of where each n-gram ended."""
 
-    def __init__(self, tokens: Sequence[int] = (), *, name: str = "", min_n: int = DEFAULT_MIN_N):
+    def __init__(self, tokens: Sequence[int] = (), *, name: str = "", min_n: int = DEFAULT_MIN_N,
+                 kind: str = "workspace"):
         self.name = name
+        self.kind = kind  # the kind of guess source, for statistics
         self.min_n = min_n
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], deque[int]] = {}
@@ -171,7 +173,7 @@ class NgramDrafter:
 
     def __init__(self, context: Sequence[int], sources: Sequence[Source] = (),
                  *, min_n: int = DEFAULT_MIN_N):
-        self.own = NgramIndex(context, name="request", min_n=min_n)
+        self.own = NgramIndex(context, name="request", min_n=min_n, kind="request")
         self.sources = [(s, prio) for s, prio in sources if s.min_n == min_n]
         self.follow: Follow | None = None
         self.proposals = 0
@@ -213,7 +215,7 @@ class NgramDrafter:
         if not tokens:
             return None
         self.proposals += 1
-        return Proposal(tokens=tokens, match_len=max(f.agree, 1), source=f.src.name)
+        return Proposal(tokens=tokens, match_len=max(f.agree, 1), source=f.src.kind)
 
     def _lookup(self, f: Follow | None) -> tuple[int, NgramIndex, int] | None:
         """The best earlier occurrence of the context's last n-gram: longest agreement, then
@@ -287,7 +289,8 @@ class RecentAnswers:
     def add(self, tokens: Sequence[int]) -> None:
         if len(tokens) < MIN_RECENT:
             return
-        self._answers.append(NgramIndex(tokens[-self.max_tokens:], name="recent answer", min_n=self.min_n))
+        self._answers.append(NgramIndex(tokens[-self.max_tokens:], name="recent answer", min_n=self.min_n,
+                                          kind="recent"))
         self._tokens += len(self._answers[-1])
         while len(self._answers) > self.max_answers or self._tokens > self.max_tokens:
             self._tokens -= len(self._answers.popleft())

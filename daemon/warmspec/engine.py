@@ -18,7 +18,7 @@ import logging
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
 import msgspec
@@ -91,6 +91,17 @@ class Run:
         self.stats = stats
         self.rng = make_rng(params)
         self.finish_reason: FinishReason = "length"
+
+
+class Draft(NamedTuple):
+    """Tokens to verify in the next pass, with the evidence behind them and their source."""
+
+    tokens: list[int]
+    match_len: int = 0
+    source: str = ""
+
+
+NO_DRAFT = Draft([])
 
 
 class _Ahead:
@@ -283,6 +294,8 @@ class Engine:
         for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "draft_passes",
                   "drafted", "accepted", "gated_steps"):
             setattr(t, f, getattr(t, f) + getattr(s, f))
+        for name, c in s.sources.items():
+            t.count(name, c.drafted, c.accepted)
         t.prefill_s += s.prefill_s
         t.decode_s += s.decode_s
 
@@ -372,9 +385,9 @@ class Engine:
         try:
             while True:
                 if ahead is None:
-                    drafts, match_len = self._drafts(drafter, run)
-                    if drafts or not pipelined:
-                        new = self._verify(pending, drafts, match_len, run)
+                    draft = self._drafts(drafter, run)
+                    if draft.tokens or not pipelined:
+                        new = self._verify(pending, draft, run)
                         yield new
                         pending = new[-1]
                         continue
@@ -385,9 +398,9 @@ class Engine:
                 ahead = nxt
                 yield [token]
                 pending = token
-                drafts, match_len = self._drafts(drafter, run)
-                if drafts:  # they start with a guess of the token ahead's pass computes
-                    new = self._verify(ahead, drafts, match_len, run)
+                draft = self._drafts(drafter, run)
+                if draft.tokens:  # they start with a guess of the token ahead's pass computes
+                    new = self._verify(ahead, draft, run)
                     ahead = None
                     yield new
                     pending = new[-1]
@@ -421,15 +434,14 @@ class Engine:
         self.live.tokens.append(ahead.fed)
         return token
 
-    def _drafts(self, drafter: Drafter | None, run: Run) -> tuple[list[int], int]:
-        """What to verify after the last emitted token, by the gate: ``(drafts, match_len)``;
-        no drafts for a plain step. The drafter's and gate's host time is measured for the gate:
+    def _drafts(self, drafter: Drafter | None, run: Run) -> "Draft":
+        """What to verify after the last emitted token, by the gate (no tokens: a plain step). The drafter's and gate's host time is measured for the gate:
         on a device where a step takes milliseconds it is part of what drafting costs."""
         if drafter is None or run.budget <= 1:
-            return [], 0
+            return NO_DRAFT
         gate = self.gate
         if not gate.should_propose():
-            return [], 0
+            return NO_DRAFT
         t = time.perf_counter()
         proposal = drafter.propose(min(self.max_draft, run.budget - 1))
         k = 0
@@ -438,7 +450,7 @@ class Engine:
             if k == 0:
                 run.stats.gated_steps += 1
         gate.observe_host(time.perf_counter() - t, drafting=k > 0, context=len(self.cache_tokens))
-        return (proposal.tokens[:k], proposal.match_len) if k else ([], 0)
+        return Draft(proposal.tokens[:k], proposal.match_len, proposal.source) if k else NO_DRAFT
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> None:
         """Bring the live cache to hold ``prompt[:-1]``, starting from the state (live or stored)
@@ -483,7 +495,7 @@ class Engine:
         if exact:
             self.live.checkpoint()  # the end of the prompt: where the next turn usually diverges
 
-    def _verify(self, head: "int | _Ahead", drafts: list[int], match_len: int, run: Run) -> list[int]:
+    def _verify(self, head: "int | _Ahead", draft: "Draft", run: Run) -> list[int]:
         """One pass: verify ``head`` + drafts; return the accepted drafts + the next token (no
         drafts: a plain step).
 
@@ -493,6 +505,7 @@ class Engine:
         model's token after the real one is still right.
         """
         guess = None
+        drafts, match_len = draft.tokens, draft.match_len
         if isinstance(head, _Ahead):
             guess, drafts = drafts[0], drafts[1:]
             first = head.y.reshape(1)
@@ -542,6 +555,7 @@ class Engine:
             drafted = len(drafts) + (guess is not None)
             accepted = (n + (guess is not None)) if hit else 0
             self.gate.observe(match_len, drafted, accepted)
+            run.stats.count(draft.source, drafted, accepted)
             run.stats.draft_passes += 1
             run.stats.drafted += drafted
             run.stats.accepted += accepted
