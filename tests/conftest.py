@@ -20,10 +20,22 @@ def default_lm():
 
 
 @pytest.fixture(scope="session")
-def default_costs(default_lm):
-    from warmspec.engine import Engine
+def default_costs():
+    """Verify costs of the default model on a 2-core CPU with OpenBLAS (docs/bench/cpu-full), fixed
+    rather than measured: the gate's choices follow the table, and a table measured while the
+    machine is busy (CI beside other work) made them, and the passes they take, vary from run to
+    run. ``test_engine`` tests the measurement itself."""
+    from warmspec.gate import CostTable
 
-    return Engine(default_lm).measure_costs()
+    return CostTable(CPU_COSTS)
+
+
+CPU_COSTS = {
+    64: {1: 0.0886, 2: 0.0995, 4: 0.1095, 8: 0.1183, 12: 0.1378, 16: 0.1362, 24: 0.1654, 32: 0.1754,
+         33: 0.1922},
+    1024: {1: 0.0871, 2: 0.1053, 4: 0.1257, 8: 0.1580, 12: 0.2000, 16: 0.2020, 24: 0.2761, 32: 0.3198,
+           33: 0.3384},
+}
 
 
 def chat_prompt(lm, text: str) -> list[int]:

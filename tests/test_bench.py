@@ -91,6 +91,11 @@ def test_bench_end_to_end(default_lm, tmp_path):
         "ngram lost the tokens drafted just before end-of-sequence"
     assert all(r.identical_to_plain for r in res.cases)
     assert res.summary.ngram.identical == "6/6" and res.summary.plain.identical == "6/6"
+    assert res.summary.ngram.divergences == 0 and all(r.divergence is None for r in res.cases)
+    ngram_rows = [r for r in res.cases if r.mode == "ngram"]
+    slowest = min(ngram_rows, key=lambda r: bench.case_speedup(r, next(
+        p for p in res.cases if p.mode == "plain" and (p.id, p.turn) == (r.id, r.turn))))
+    assert res.summary.ngram.min_case == slowest.id and res.summary.ngram.min_speedup > 0
     assert set(res.files) == {"copy.jsonl", "chat.jsonl"}
     assert res.files["copy.jsonl"].ngram.cases == 2 and res.files["chat.jsonl"].ngram.cases == 4
     for r in res.cases:
@@ -207,3 +212,27 @@ def test_command_line(tmp_path):
     # bad input is refused before the model is loaded
     assert bench.run(parse("bench", "a.jsonl", "--out", str(tmp_path), "--modes", "turbo")) == 2
     assert bench.run(parse("bench", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))) == 2
+
+
+def test_divergence_reports_position_tokens_and_margin():
+    """A mode's output that differs from plain's is located, and plain's margin there comes from a
+    one-position pass: here an output changed on purpose, where plain's choice was not a tie."""
+    import mlx.core as mx
+
+    import tiny
+    from test_engine import reference_greedy
+
+    lm = tiny.build("llama")
+    prompt = list(range(7, 40))
+    plain = reference_greedy(lm.model, prompt, 20, set())
+    assert bench.divergence(lm, prompt, plain, list(plain)) is None
+    other = [*plain[:6], (plain[6] + 1) % tiny.VOCAB, *plain[7:]]
+    d = bench.divergence(lm, prompt, plain, other)
+    logits = lm.model(mx.array([prompt + plain[:6]]))[0, -1]
+    top = sorted(logits.tolist())[-2:]
+    assert (d.position, d.plain_token, d.other_token) == (6, plain[6], other[6])
+    assert d.margin == pytest.approx(top[1] - top[0], abs=1e-4)
+    assert d.other_gap == pytest.approx(top[1] - logits[other[6]].item(), abs=1e-4)
+    assert d.bug == (d.margin > bench.TIE_MARGIN) and d.bug  # random weights: no near tie there
+    shorter = bench.divergence(lm, prompt, plain, plain[:10])
+    assert (shorter.position, shorter.other_token) == (10, None)

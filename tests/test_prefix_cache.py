@@ -76,7 +76,7 @@ def test_eviction_keeps_results_exact(arch):
 
 
 def test_default_model_next_turn(default_lm, default_costs):
-    engine = Engine(default_lm, costs=default_costs)
+    engine = Engine(default_lm, costs=CostTable(default_costs.points), observe_costs=False)
     tok = default_lm.tokenizer
     msgs = [{"role": "user", "content": "Name three fruits."}]
     first = list(engine.generate(chat_prompt(default_lm, msgs[0]["content"]), SamplingParams(), max_tokens=30))[-1]
@@ -84,5 +84,5 @@ def test_default_model_next_turn(default_lm, default_costs):
     prompt = tok.encode(tok.apply_chat_template(msgs))
     warm = list(engine.generate(prompt, SamplingParams(), max_tokens=30))[-1]
     assert warm.stats.cached_tokens > 40
-    fresh = list(Engine(default_lm, costs=default_costs).generate(prompt, SamplingParams(), max_tokens=30))[-1]
+    fresh = list(Engine(default_lm, costs=CostTable(default_costs.points), observe_costs=False).generate(prompt, SamplingParams(), max_tokens=30))[-1]
     assert warm.tokens == fresh.tokens

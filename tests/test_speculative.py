@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from warmspec.cache import offset
 from warmspec.engine import Engine, Finished, Run
 from warmspec.probes import ScriptedDrafter
 from warmspec.gate import CostTable
@@ -26,8 +27,9 @@ def OracleDrafter(prompt, reference, wrong_every=4, k=5):
 
 def decode(lm, prompt, n, *, drafter=None, speculate=False, params=SamplingParams(), costs=None,
            gated=True, engine=None):
-    engine = engine or Engine(lm, speculate=speculate, costs=costs or CostTable(CHEAP.points),
-                              gated=gated)
+    costs = costs or CHEAP
+    engine = engine or Engine(lm, speculate=speculate, costs=CostTable(costs.points, costs.plain_points),
+                              gated=gated, observe_costs=False)
     stats = GenerationStats()
     run = Run(params, n, stats)
     out = [t for new in engine.generate_tokens(prompt, run, drafter=drafter, speculate=speculate)
@@ -89,6 +91,7 @@ def test_ngram_self_drafting_exact(arch):
     spec, stats = decode(lm, prompt, 50, speculate=True, gated=False)
     assert spec == plain
     assert stats.drafted > 0
+    assert set(stats.sources) == {"request"} and stats.sources["request"].drafted == stats.drafted
 
 
 def copy_prompt(lm):
@@ -113,7 +116,8 @@ def test_text_level_identical_with_stop(default_lm, default_costs):
     prompt = chat_prompt(default_lm, "Repeat exactly: alpha beta gamma delta alpha beta gamma delta")
     outs = []
     for spec in (False, True):
-        engine = Engine(default_lm, speculate=spec, costs=default_costs)
+        engine = Engine(default_lm, speculate=spec, costs=CostTable(default_costs.points),
+                        observe_costs=False)
         fin = list(engine.generate(prompt, SamplingParams(), max_tokens=60, stop=["delta"]))[-1]
         assert isinstance(fin, Finished)
         outs.append((fin.text, fin.finish_reason))
@@ -129,3 +133,140 @@ def test_drafts_accepted_up_to_end_of_sequence_are_kept(default_lm, default_cost
     assert pst.completion_tokens < 40  # it ended on end-of-sequence, not on the budget
     assert spec == plain
     assert sst.accepted > 0
+
+
+# A machine where a pipelined plain step costs half a synchronous one (as on a GPU): speculative
+# decoding then runs its plain steps ahead and switches between the two kinds of pass.
+PIPELINED = CostTable({0: {1: 1.0, 2: 1.01, 32: 1.1}}, plain={0: 0.5})
+
+
+class Intermittent:
+    """Proposes on some steps only -- right, wrong in the first token (the one a pass queued
+    ahead computes), or wrong later -- and nothing on the others, so that the engine runs
+    pipelined plain steps, switches to verify passes queued on an unread token, and back."""
+
+    def __init__(self, prompt, reference):
+        self.text = list(prompt) + list(reference)
+        self.pos = len(prompt)
+        self.calls = 0
+
+    def extend(self, tokens):
+        self.pos += len(tokens)
+
+    def propose(self, k):
+        from warmspec.drafting import Proposal
+
+        self.calls += 1
+        phase = self.calls % 7
+        if phase in (1, 2, 4):  # nothing to propose
+            return None
+        guess = self.text[self.pos : self.pos + min(k, 6)]
+        if not guess:
+            return None
+        if phase == 3:
+            guess[0] = (guess[0] + 1) % tiny.VOCAB
+        elif phase == 5 and len(guess) > 2:
+            guess[2] = (guess[2] + 1) % tiny.VOCAB
+        return Proposal(tokens=guess, match_len=64, source="intermittent")
+
+
+@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
+def test_pipelined_plain_steps_between_drafts_exact_every_cache_kind(arch):
+    """Gated-off steps run pipelined and drafts resume from a pass queued ahead: the tokens are
+    plain's, on every cache kind (the pass left ahead at the end is rolled back, so the engine's
+    next request is right too)."""
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(5).integers(0, tiny.VOCAB, 20).tolist()
+    plain, _ = decode(lm, prompt, 70)
+    engine = Engine(lm, speculate=True, costs=CostTable(PIPELINED.points, PIPELINED.plain_points),
+                    gated=False)
+    assert engine._pipelining_pays()
+    drafter = Intermittent(prompt, plain)
+    spec, stats = decode(lm, prompt, 70, drafter=drafter, speculate=True, engine=engine)
+    assert spec == plain
+    assert 0 < stats.accepted < stats.drafted and stats.draft_passes < stats.passes
+    again, _ = decode(lm, prompt, 40, engine=engine)  # plain decoding on the same engine
+    assert again == plain[:40]
+
+
+def test_plain_decoding_is_pipelined_on_every_cache_kind():
+    """Plain greedy decoding (no drafter) runs ahead on every cache kind, not only attention."""
+    for arch in tiny.CONFIGS:
+        lm = tiny.build(arch)
+        prompt = list(range(3, 30))
+        from test_engine import reference_greedy
+
+        ref = reference_greedy(lm.model, prompt, 40, lm.tokenizer.eos_ids)
+        engine = Engine(lm, speculate=False)
+        out, stats = decode(lm, prompt, 40, engine=engine)
+        assert out == ref and stats.passes == len(out)
+        # the pass run ahead was undone: the cache holds the prompt and all but the last token
+        assert engine.cache_tokens == prompt + out[:-1]
+        assert offset(engine.cache) == len(prompt) + len(out) - 1
+        # and exactly: continuing the answer from that state equals decoding it from scratch
+        longer = prompt + out
+        assert decode(lm, longer, 12, engine=engine)[0] == reference_greedy(lm.model, longer, 12, set())
+
+
+class SlowDrafter:
+    """A drafter that takes ``delay`` seconds per proposal and is right half the time."""
+
+    def __init__(self, prompt, reference, delay):
+        self.inner = ScriptedDrafter(prompt, reference, wrong_every=2, k=1, vocab=tiny.VOCAB)
+        self.delay = delay
+        self.calls = 0
+
+    def extend(self, tokens):
+        self.inner.extend(tokens)
+
+    def propose(self, k):
+        import time
+
+        self.calls += 1
+        time.sleep(self.delay)
+        p = self.inner.propose(1)
+        return p
+
+
+def test_host_time_turns_a_slow_drafter_off():
+    """Proposing costs host time: a drafter whose proposals take longer than the pass they could
+    save is gated off (by the measured host time) and then rarely asked."""
+    lm = tiny.build("llama")
+    prompt = list(range(3, 30))
+    plain, _ = decode(lm, prompt, 60)
+    # a step costs 10 ms here; a proposal 30 ms, right half the time
+    costs = CostTable({0: {1: 0.010, 2: 0.011, 8: 0.012}})
+    engine = Engine(lm, speculate=True, costs=costs, observe_costs=False)
+    slow = SlowDrafter(prompt, plain, delay=0.03)
+    spec, stats = decode(lm, prompt, 60, drafter=slow, speculate=True, engine=engine)
+    assert spec == plain
+    assert engine.gate.host_s >= 0.03
+    assert slow.calls < 15  # 60 steps: the pauses left most of them without a proposal
+    assert engine.gate.skipped > 40
+    # the same drafter without the delay is verified every time it proposes
+    fast_engine = Engine(lm, speculate=True, costs=CostTable(costs.points), observe_costs=False)
+    fast = SlowDrafter(prompt, plain, delay=0.0)
+    decode(lm, prompt, 60, drafter=fast, speculate=True, engine=fast_engine)
+    assert fast_engine.gate.skipped == 0 and fast.calls > 25
+
+
+def test_a_repeated_answer_is_drafted_from_the_engine_s_recent_answers():
+    """A request answered before (a retry, an agent repeating itself in another conversation)
+    drafts from the earlier answer: nearly the whole answer in few passes, still plain's tokens."""
+    lm = tiny.build("llama")
+    prompt = np.random.default_rng(21).integers(0, tiny.VOCAB, 30).tolist()
+    plain, _ = decode(lm, prompt, 60)
+    engine = Engine(lm, speculate=True, costs=CostTable(CHEAP.points), gated=False, observe_costs=False)
+    first, st1 = decode(lm, prompt, 60, speculate=True, engine=engine)
+    engine.reset()
+    engine.store.clear()  # no cached state: the second run must draft, not reuse
+    again, st2 = decode(lm, prompt, 60, speculate=True, engine=engine)
+    assert first == again == plain
+    assert st2.accepted >= 50 and st2.passes <= 12
+    assert st2.accepted > st1.accepted + 30
+    assert st2.sources["recent"].accepted >= 50 and "recent" not in st1.sources
+    engine.recent.clear()
+    engine.reset()
+    engine.store.clear()
+    _, st3 = decode(lm, prompt, 60, speculate=True, engine=engine)
+    assert st3.accepted == st1.accepted  # without the recent answers: as the first time

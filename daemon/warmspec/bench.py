@@ -41,6 +41,7 @@ from warmspec_protocol.bench import (
     BenchCase,
     BenchResults,
     CaseResult,
+    Divergence,
     Machine,
     ModeSummary,
     PrefixCacheSummary,
@@ -67,6 +68,10 @@ GREEDY = SamplingParams()
 # at 3 -- short n-grams such as "self." recur in any Python.
 COPY_SPAN = 8
 WARMUP_TOKENS = 8
+# A greedy output that differs from plain's where plain's top-2 logits were further apart than this
+# is not a near tie resolved differently by a wider pass: it is a bug. (Seen on an H200 in float32:
+# a flip at a margin of 3.2e-3; on CPU float32 outputs are bit-identical.)
+TIE_MARGIN = 0.05
 VARIANTS = ("prompt_only", "in_prompt", "workspace")
 
 
@@ -165,6 +170,33 @@ def copy_fraction(output: Sequence[int], source: Sequence[int], span: int = COPY
     return sum(covered) / len(output)
 
 
+def divergence(lm: LoadedModel, prompt: Sequence[int], plain: Sequence[int],
+               other: Sequence[int]) -> Divergence | None:
+    """Where ``other`` first differs from ``plain``, and plain's top-2 logit margin there, from a
+    one-position pass as plain decoding runs it (the context prefilled in the engine's chunks,
+    then the last token alone). None when the two are equal."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .engine import PREFILL_CHUNK
+
+    i = next((j for j, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+    if i == len(plain) == len(other):
+        return None
+    context = [*prompt, *plain[:i]]
+    cache = make_prompt_cache(lm.model)
+    for start in range(0, len(context) - 1, PREFILL_CHUNK):
+        lm.model(mx.array([context[start : min(start + PREFILL_CHUNK, len(context) - 1)]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = lm.model(mx.array([context[-1:]]), cache=cache)[0, -1].astype(mx.float32)
+    top = mx.sort(logits)[-2:].tolist()
+    margin = top[1] - top[0]
+    other_token = other[i] if i < len(other) else None
+    gap = top[1] - logits[other_token].item() if other_token is not None else None
+    return Divergence(position=i, plain_token=plain[i] if i < len(plain) else None,
+                      other_token=other_token, margin=margin, other_gap=gap, bug=margin > TIE_MARGIN)
+
+
 # -- measured runs --------------------------------------------------------------------------------
 
 
@@ -191,10 +223,12 @@ def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence
 
 
 def flush(engine: Engine) -> None:
-    """Forget every cached prefix, so that runs are independent: ``reset`` drops the live state,
-    and the prefix store would serve a repeat of the same prompt from a parked one."""
+    """Forget every cached prefix and earlier answer, so that runs are independent: ``reset`` drops
+    the live state, the prefix store would serve a repeat of the same prompt from a parked one, and
+    the engine drafts from its recent answers."""
     engine.reset()
     engine.store.clear()
+    engine.recent.clear()
 
 
 def run_modes(engines: dict[str, Engine], prep: Prepared, max_tokens: int,
@@ -210,9 +244,10 @@ def run_modes(engines: dict[str, Engine], prep: Prepared, max_tokens: int,
 
 
 def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, list[list[Sample]]],
-              load_avg: float = 0.0) -> list[CaseResult]:
+              load_avg: float = 0.0, lm: LoadedModel | None = None) -> list[CaseResult]:
     """One row per mode and turn: medians over repeats; identical means every repeat's token
-    ids equal plain's first run (so plain rows also catch nondeterminism)."""
+    ids equal plain's first run (so plain rows also catch nondeterminism). With ``lm``, a row that
+    is not identical says where and at what margin its first differing repeat diverged."""
     plain = samples.get("plain")
     rows = []
     for mode, repeats in samples.items():
@@ -237,6 +272,8 @@ def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, lis
                 copy_fraction=copy_fraction(ref if ref is not None else runs[0].tokens,
                                             prep.copied_from[turn]),
                 load_avg=load_avg,
+                divergence=next((divergence(lm, prep.turns[turn], ref, s.tokens) for s in runs
+                                 if s.tokens != ref), None) if lm is not None and ref is not None else None,
             ))
     return rows
 
@@ -401,6 +438,9 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
     base = _rate(sum(plain[_key(r)].tokens for r in both), sum(plain[_key(r)].decode_s for r in both))
     drafted = sum(r.drafted for r in rows)
     passes = sum(r.passes for r in rows)
+    per_case = [(case_speedup(r, plain[_key(r)]), r.id) for r in both]
+    slowest = min(per_case, default=(0.0, ""))
+    margins = [r.divergence.margin for r in rows if r.divergence is not None]
     return ModeSummary(
         cases=len(rows), tokens=tokens, decode_s=decode_s, tok_s=_rate(tokens, decode_s),
         speedup_vs_plain=_rate(sum(r.tokens for r in both), sum(r.decode_s for r in both)) / base
@@ -408,6 +448,8 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
         acceptance=sum(r.accepted for r in rows) / drafted if drafted else 0.0,
         tokens_per_pass=tokens / passes if passes else 0.0,
         identical=f"{sum(r.identical_to_plain for r in rows)}/{len(rows)}",
+        min_speedup=slowest[0], min_case=slowest[1],
+        divergences=len(margins), max_divergence_margin=max(margins, default=0.0),
     )
 
 
@@ -504,7 +546,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
     wants_replay = replay_outputs or any(c.reference for _, c in cases)
     prior = read_prior(out, lm.name, modes, repeat, max_draft) if resume else None
     if prior is not None:
-        costs = costs or (CostTable(prior.costs) if prior.costs else None)
+        costs = costs or (CostTable(prior.costs, prior.plain_costs) if prior.costs else None)
         replay_costs_name = replay_costs_name or prior.replay_costs or None
     measured = costs is None and ("ngram" in modes or (wants_replay and replay_costs is None))
     if measured:
@@ -513,7 +555,8 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
     if replay_costs_name is None:
         replay_costs_name = "measured" if measured and replay_costs is None else "given"
     engines = {m: Engine(lm, speculate=m == "ngram", max_draft=max_draft,
-                         costs=CostTable(costs.points) if costs else None) for m in modes}
+                         costs=CostTable(costs.points, costs.plain_points) if costs else None)
+               for m in modes}
     replayers = replay_engines(lm, replay_costs or costs, max_draft) if wants_replay else {}
     info = machine()
     for engine in engines.values():  # the first passes of a process allocate: not in case 1
@@ -528,6 +571,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
         return BenchResults(
             machine=info, model=lm.name, inputs=names, modes=list(modes), repeat=repeat,
             max_draft=max_draft, costs=costs.points if costs else {},
+            plain_costs=costs.plain_points if costs else {},
             replay_costs=replay_costs_name if replayers else "", cases=rows, replays=replays,
             summary=summarize(rows, replays),
             files={f: summarize([r for r in rows if r.file == f], [r for r in replays if r.file == f])
@@ -545,7 +589,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
             except EngineError as e:
                 print(f"warmspec bench: {file} {case.id}: skipped: {e}", file=sys.stderr)
                 continue
-            new = case_rows(file, case, prep, samples, os.getloadavg()[0])
+            new = case_rows(file, case, prep, samples, os.getloadavg()[0], lm)
             done: list[ReplayResult] = []
             if replayers and case.reference:
                 done = replay_case(file, case, prep, replayers,
@@ -611,11 +655,24 @@ def report(res: BenchResults) -> str:
         for mode in MODES:
             ms: ModeSummary | None = getattr(s, mode)
             if ms is not None:
+                slowest = f"{ms.min_speedup:.2f}x ({ms.min_case})" if mode != "plain" else ""
                 summary_rows.append((f, mode, ms.cases, ms.tokens, f"{ms.decode_s:.1f}",
-                                     f"{ms.tok_s:.1f}", f"{ms.speedup_vs_plain:.2f}x",
+                                     f"{ms.tok_s:.1f}", f"{ms.speedup_vs_plain:.2f}x", slowest,
                                      f"{ms.acceptance:.0%}", f"{ms.tokens_per_pass:.2f}", ms.identical))
     lines += _table(("file", "mode", "cases", "tokens", "decode s", "tok/s", "speedup vs plain",
-                     "acceptance", "tokens/pass", "identical"), summary_rows)
+                     "slowest case", "acceptance", "tokens/pass", "identical"), summary_rows)
+    diverged = [r for r in res.cases if r.divergence is not None]
+    if diverged:
+        lines += ["", "## Divergences from plain", "",
+                  (f"First differing token per case, with plain's top-2 logit margin there (a "
+                   f"one-position pass). A margin under {TIE_MARGIN} is a near tie that a pass of "
+                   f"another width may resolve the other way; above it the difference is a BUG."), ""]
+        lines += _table(("file", "id", "turn", "mode", "position", "plain token", "mode's token",
+                         "margin", "gap to mode's token", "verdict"),
+                        [(r.file, r.id, r.turn, r.mode, r.divergence.position, r.divergence.plain_token,
+                          r.divergence.other_token, f"{r.divergence.margin:.2e}",
+                          "" if r.divergence.other_gap is None else f"{r.divergence.other_gap:.2e}",
+                          "BUG" if r.divergence.bug else "near tie") for r in diverged])
     prefix = [(f, s.prefix_cache) for f, s in res.files.items() if s.prefix_cache]
     if prefix:
         lines += ["", "## Prefix cache: time to first token (all modes pooled)", ""]
@@ -723,8 +780,12 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
             ms: ModeSummary | None = getattr(s, mode)
             if ms is not None and mode != "plain":
                 parts.append(f"{mode} {ms.speedup_vs_plain:.2f}x vs plain ({ms.tok_s:.1f} tok/s), "
+                             f"slowest case {ms.min_speedup:.2f}x, "
                              f"acceptance {ms.acceptance:.0%}, {ms.tokens_per_pass:.2f} tok/pass, "
-                             f"identical {ms.identical}")
+                             f"identical {ms.identical}"
+                             + (f" ({ms.divergences} diverged, max margin {ms.max_divergence_margin:.2e}"
+                                f"{', BUG' if ms.max_divergence_margin > TIE_MARGIN else ''})"
+                                if ms.divergences else ""))
             elif ms is not None and len(res.modes) == 1:
                 parts.append(f"{mode} {ms.tok_s:.1f} tok/s")
         if s.prefix_cache:

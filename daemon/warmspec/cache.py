@@ -13,7 +13,9 @@ last k - n positions must go. Each mlx-lm cache kind needs a different way back:
 - ``RotatingKVCache`` (sliding-window attention): a multi-position update goes through its
   concatenating path, which leaves the buffer in temporal order with the new positions last, so
   slicing them off is exact even after the window has wrapped -- mlx-lm's own ``trim`` is exact
-  only until it wraps, because it moves the write index without dropping the stale entries.
+  only until it wraps, because it moves the write index without dropping the stale entries. A
+  one-position update (a plain step run ahead) writes in place, possibly over the oldest slot, so
+  it is undone from a snapshot of the buffer taken before it.
 - ``ArraysCache`` (recurrent state of GatedDeltaNet / Mamba layers): a fixed-size state cannot be
   trimmed. Its arrays are replaced, never mutated, by a forward pass, so keeping references before
   the pass is a free snapshot; after a rejection the state is rebuilt from the snapshot, either
@@ -83,7 +85,8 @@ class Checkpoint:
             if is_recurrent(c):
                 self.snapshots[i] = list(c.cache)
             elif isinstance(c, RotatingKVCache):
-                self.snapshots[i] = (c.keys, c.values, c.offset, c._idx)
+                # new handles: a one-position update writes the buffer in place
+                self.snapshots[i] = (_copy(c.keys), _copy(c.values), c.offset, c._idx)
 
     def rollback(self, n_keep: int) -> bool:
         """Drop the last ``n_inputs - n_keep`` positions. False: the caller must replay
@@ -99,7 +102,10 @@ class Checkpoint:
             if is_recurrent(c):
                 c.cache = list(self.tape[i][n_keep - 1])
             elif isinstance(c, RotatingKVCache):
-                _slice_rotating(c, drop)
+                if self.n_inputs == 1:  # written in place, maybe over the oldest slot: restore
+                    c.keys, c.values, c.offset, c._idx = self.snapshots[i]
+                else:
+                    _slice_rotating(c, drop)
             else:
                 c.trim(drop)
         return True

@@ -28,7 +28,7 @@ class Proposal(msgspec.Struct, frozen=True):
 
     tokens: list[int]
     match_len: int
-    source: str
+    source: str  # the kind of source: request, workspace, recent, prediction, ...
 
 
 class Drafter(Protocol):
@@ -45,8 +45,10 @@ class NgramIndex:
     workspace file's, read by drafters on the engine thread -- is never changed: ``derive`` makes
     its successor."""
 
-    def __init__(self, tokens: Sequence[int] = (), *, name: str = "", min_n: int = DEFAULT_MIN_N):
+    def __init__(self, tokens: Sequence[int] = (), *, name: str = "", min_n: int = DEFAULT_MIN_N,
+                 kind: str = "workspace"):
         self.name = name
+        self.kind = kind  # the kind of guess source, for statistics
         self.min_n = min_n
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], deque[int]] = {}
@@ -84,7 +86,7 @@ class NgramIndex:
             return self
         n = self.min_n
         first = max(common, n - 1)  # the first end that changes
-        out = NgramIndex(name=self.name, min_n=n)
+        out = NgramIndex(name=self.name, min_n=n, kind=self.kind)
         out.tokens = new_tokens
         out.ends = ends = dict(self.ends)
         owned: set[tuple[int, ...]] = set()  # keys whose deque is out's own (safe to append to)
@@ -141,44 +143,199 @@ def common_prefix(a: Sequence[int], b: Sequence[int], block: int = 4096) -> int:
 Source = tuple[NgramIndex, int]  # an index and its priority (higher wins ties)
 OWN_PRIORITY = 1 << 30
 
+# After a divergence, how far around the source position where it happened a re-alignment is
+# looked for, and for how many emitted tokens the position is kept before the drafter relies on
+# the index alone. An edit changes a few tokens and then copies on: a window of 96 source tokens
+# ahead covers a changed line or two; a longer insertion or deletion is found by the index.
+RESYNC_BEHIND = 16
+RESYNC_AHEAD = 96
+RESYNC_SPAN = 24
+# Right after a divergence of d <= SUBSTITUTION_MAX tokens, the drafter assumes the model replaced
+# as many source tokens and continues after them (a renamed identifier, a changed literal).
+SUBSTITUTION_MAX = 4
+
+
+class Follow:
+    """The source being copied and the position in it that the next token should come from.
+
+    ``agree`` counts the tokens that agreed up to ``pos`` (the gate's evidence). After a mismatch
+    ``anchor`` keeps the source position where the copy broke off and ``since`` the tokens emitted
+    since, until a re-alignment is confirmed by the next token matching (``tentative``).
+    """
+
+    __slots__ = ("src", "pos", "agree", "anchor", "since", "tentative")
+
+    def __init__(self, src: NgramIndex, pos: int, agree: int):
+        self.src = src
+        self.pos = pos
+        self.agree = agree
+        self.anchor: int | None = None
+        self.since = 0
+        self.tentative = False
+
+    def advance(self, token: int) -> bool:
+        """Account one emitted token; False when the copy position should be forgotten."""
+        toks = self.src.tokens
+        if self.pos < len(toks) and toks[self.pos] == token:
+            self.pos += 1
+            self.agree = min(self.agree + 1, MAX_AGREEMENT)
+            if self.tentative:
+                self.anchor, self.since, self.tentative = None, 0, False
+            return True
+        if self.anchor is None:  # a fresh divergence: remember where the copy broke off
+            self.anchor, self.since, self.agree = self.pos, 1, 0
+        else:
+            self.since += 1
+        self.tentative = False
+        return self.since <= RESYNC_SPAN
+
+    def realign(self, pos: int, agree: int) -> None:
+        """Continue at ``pos`` on trial: confirmed when the next token matches there."""
+        self.pos, self.agree, self.tentative = pos, agree, True
+
 
 class NgramDrafter:
     """Proposes continuations from the request's own tokens and any extra sources.
 
     ``own`` indexes the request's prompt and everything emitted; ``sources`` are shared indexes
-    (workspace files) with their priority for this request, which this drafter only reads.
+    (workspace files, recent answers) with their priority for this request, which this drafter only
+    reads.
+
+    Once a match is found the drafter follows that source position by position (``Follow``)
+    instead of looking the last n-gram up again every step. When the model's token differs from
+    the source -- an edit -- it re-aligns at once rather than waiting for a fresh 3-token match:
+    first by the index, then by the last one or two emitted tokens near where the copy broke off,
+    else assuming a substitution of as many tokens as were emitted since. Before this, every changed
+    token cost three plain passes of re-matching on file edits.
     """
 
     def __init__(self, context: Sequence[int], sources: Sequence[Source] = (),
                  *, min_n: int = DEFAULT_MIN_N):
-        self.own = NgramIndex(context, name="request", min_n=min_n)
+        self.own = NgramIndex(context, name="request", min_n=min_n, kind="request")
         self.sources = [(s, prio) for s, prio in sources if s.min_n == min_n]
+        self.follow: Follow | None = None
         self.proposals = 0
 
     def extend(self, tokens: Sequence[int]) -> None:
-        self.own.extend(tokens)
+        f = self.follow
+        for t in tokens:
+            if f is not None and not f.advance(t):
+                f = self.follow = None
+            self.own.extend((t,))
 
     def propose(self, k: int) -> Proposal | None:
         if k <= 0:
             return None
+        f = self.follow
+        if f is not None and f.anchor is None and f.pos < len(f.src.tokens):
+            return self._draft(f, k)
+        found = self._lookup(f)
+        if found is not None:
+            agree, src, end = found
+            if f is not None and src is f.src:
+                f.realign(end + 1, agree)
+            else:
+                f = self.follow = Follow(src, end + 1, agree)
+            return self._draft(f, k)
+        if f is not None and f.anchor is not None:
+            return self._resync(f, k)
+        return None
+
+    def _draft(self, f: Follow, k: int) -> Proposal | None:
+        toks = f.src.tokens
+        tokens = toks[f.pos : f.pos + k]
+        if f.src is self.own and len(tokens) < k:
+            # The copy runs into the present: the text is repeating with period len - pos.
+            # Continue the cycle instead of stopping short (small models loop, and a loop is
+            # the cheapest thing there is to draft).
+            period = len(toks) - f.pos
+            tokens = [toks[f.pos + i % period] for i in range(k)]
+        if not tokens:
+            return None
+        self.proposals += 1
+        return Proposal(tokens=tokens, match_len=max(f.agree, 1), source=f.src.kind)
+
+    def _lookup(self, f: Follow | None) -> tuple[int, NgramIndex, int] | None:
+        """The best earlier occurrence of the context's last n-gram: longest agreement, then
+        closeness to where a broken-off copy was (the file being edited), then source priority,
+        then the newest."""
         context = self.own.tokens
-        best: tuple[int, int, int, NgramIndex] | None = None
+        best: tuple[tuple[int, int, int, int], NgramIndex] | None = None
+        near = f.src if f is not None and f.anchor is not None else None
         for src, priority in ((self.own, OWN_PRIORITY), *self.sources):
             exclude = len(context) - 1 if src is self.own else None
             for agree, end in src.candidates(context, exclude_end=exclude):
-                key = (agree, priority, end)
-                if best is None or key > best[:3]:
-                    best = (agree, priority, end, src)
+                local = src is near and -RESYNC_BEHIND <= end - f.anchor <= RESYNC_AHEAD
+                key = (agree, local, priority, end)
+                if best is None or key > best[0]:
+                    best = (key, src)
         if best is None:
             return None
-        agree, _, end, src = best
-        self.proposals += 1
-        tokens = src.tokens[end + 1 : end + 1 + k]
-        if src is self.own and len(tokens) < k:
-            # The match runs into the present: the text is repeating with period
-            # len - 1 - end. Continue the cycle instead of stopping short (small models loop,
-            # and a loop is the cheapest thing there is to draft).
-            period = len(context) - 1 - end
-            cycle = context[-period:]
-            tokens = [cycle[i % period] for i in range(k)]
-        return Proposal(tokens=tokens, match_len=agree, source=src.name)
+        (agree, _, _, end), src = best
+        return agree, src, end
+
+    def _resync(self, f: Follow, k: int) -> Proposal | None:
+        """Re-align a broken-off copy by the last emitted tokens near its anchor (two agreeing
+        tokens, else a substitution of the tokens emitted since, else one agreeing token)."""
+        context = self.own.tokens
+        toks = f.src.tokens
+        lo = max(f.anchor - RESYNC_BEHIND, 0)
+        hi = min(f.anchor + RESYNC_AHEAD, len(toks) - 1)
+        last = context[-1]
+        best: tuple[int, int] | None = None  # (agree, -distance) of the alignment ending at j
+        best_j = -1
+        for j in range(lo, hi):
+            if toks[j] != last:
+                continue
+            agree = 1
+            while agree < 2 and j - agree >= 0 and toks[j - agree] == context[-1 - agree]:
+                agree += 1
+            key = (agree, -abs(j - f.anchor))
+            if best is None or key > best:
+                best, best_j = key, j
+        if best is not None and best[0] >= 2:
+            f.realign(best_j + 1, best[0])
+        elif f.since <= SUBSTITUTION_MAX and f.anchor + f.since < len(toks):
+            f.realign(f.anchor + f.since, 1)
+        elif best is not None:
+            f.realign(best_j + 1, 1)
+        else:
+            return None
+        return self._draft(f, k)
+
+
+RECENT_ANSWERS = 32
+RECENT_TOKENS = 1 << 16
+RECENT_PRIORITY = 0  # below every workspace source
+MIN_RECENT = 16  # shorter answers ("OK.") are not worth an index
+
+
+class RecentAnswers:
+    """The engine's recent answers, as n-gram sources for later requests: agents repeat tool
+    calls, file paths and code across conversations (the observation behind SuffixDecoding), and
+    an answer regenerated after a retry is the answer before it. Bounded in answers and tokens;
+    owned by the decode thread, which both writes and reads it."""
+
+    def __init__(self, max_answers: int = RECENT_ANSWERS, max_tokens: int = RECENT_TOKENS,
+                 *, min_n: int = DEFAULT_MIN_N):
+        self.max_answers = max_answers
+        self.max_tokens = max_tokens
+        self.min_n = min_n
+        self._answers: deque[NgramIndex] = deque()
+        self._tokens = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < MIN_RECENT:
+            return
+        self._answers.append(NgramIndex(tokens[-self.max_tokens:], name="recent answer", min_n=self.min_n,
+                                          kind="recent"))
+        self._tokens += len(self._answers[-1])
+        while len(self._answers) > self.max_answers or self._tokens > self.max_tokens:
+            self._tokens -= len(self._answers.popleft())
+
+    def sources(self) -> list[Source]:
+        return [(a, RECENT_PRIORITY) for a in reversed(self._answers)]
+
+    def clear(self) -> None:
+        self._answers.clear()
+        self._tokens = 0

@@ -18,7 +18,7 @@ import logging
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
 import msgspec
@@ -28,8 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from warmspec_protocol import FinishReason, GenerationStats, PrefixCacheStats, SamplingParams
 
 from . import hybrid
-from .cache import CacheState, Checkpoint, PrefixStore, trimmable_kind, has_recurrent, layers
-from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, Source
+from .cache import CacheState, Checkpoint, PrefixStore, has_recurrent, layers
+from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, RecentAnswers, Source
 from .gate import CostTable, Gate
 from .model import LoadedModel
 from .sampling import distribution, make_rng, sample, verify_sampled
@@ -45,6 +45,9 @@ MAX_DRAFT = 32
 CHECKPOINT_EVERY = 2048
 # A discarded tail at least this long is parked in the prefix store instead of dropped.
 KEEP_TAIL = 32
+# Speculative decoding runs plain steps ahead (pipelined) where that makes them at least this much
+# cheaper than a synchronous pass.
+PIPELINE_GAIN = 0.95
 
 
 def default_cost_cache(lm: LoadedModel, max_draft: int = MAX_DRAFT) -> Path:
@@ -90,6 +93,29 @@ class Run:
         self.finish_reason: FinishReason = "length"
 
 
+class Draft(NamedTuple):
+    """Tokens to verify in the next pass, with the evidence behind them and their source."""
+
+    tokens: list[int]
+    match_len: int = 0
+    source: str = ""
+
+
+NO_DRAFT = Draft([])
+
+
+class _Ahead:
+    """A one-position pass queued on the device: its input (known once read), its lazy argmax and
+    the checkpoint that undoes it."""
+
+    __slots__ = ("fed", "y", "ckpt")
+
+    def __init__(self, fed: int | None, y: mx.array, ckpt: Checkpoint):
+        self.fed = fed
+        self.y = y
+        self.ckpt = ckpt
+
+
 class Engine:
     def __init__(
         self,
@@ -131,6 +157,8 @@ class Engine:
         self._gate: Gate | None = None
         self.totals = GenerationStats()
         self.resets = 0  # live caches dropped after a failure: a healthy daemon keeps this at 0
+        self._last_read: float | None = None  # when the last pipelined token was read
+        self.recent = RecentAnswers(min_n=min_n)  # earlier answers, drafted from
 
     @property
     def costs(self) -> CostTable:
@@ -193,13 +221,34 @@ class Engine:
             mx.eval(mx.argmax(self.model(mx.array([ids(p)]), cache=cache)[0], axis=-1))
             ckpt.rollback(0)
 
+        def plain(context: int, steps: int = 12) -> float:
+            """Seconds per token of pipelined greedy steps (as ``_decode`` runs them)."""
+            forward(1, context)  # the scratch cache at ``context``
+            cache = state["cache"]
+            ckpt = Checkpoint(cache, steps + 1)
+            step = lambda y: mx.argmax(self.model(y.reshape(1, 1), cache=cache)[0, -1])  # noqa: E731
+            y = step(mx.array(ids(1)[0]))
+            mx.async_eval(y)
+            reads = []
+            for _ in range(steps):
+                nxt = step(y)
+                mx.async_eval(nxt)
+                y.item()
+                reads.append(time.perf_counter())
+                y = nxt
+            y.item()
+            ckpt.rollback(0)
+            return (reads[-1] - reads[0]) / (len(reads) - 1)
+
         top = self.max_draft + 1
         widths = sorted({w for w in (1, 2, 4, 8, 12, 16, 24, 32, 48) if w < top} | {top})
         limit = self.lm.context_length or 1 << 30
-        table = CostTable.measure(forward, widths, [c for c in contexts if c + top < limit], repeats)
+        table = CostTable.measure(forward, widths, [c for c in contexts if c + top < limit], repeats,
+                                  plain=plain)
         for c in table.points:
-            log.info("verify cost at context %d (x one position): %s", c,
-                     ", ".join(f"{p}:{table.relative(p, c):.2f}" for p in table.widths))
+            log.info("verify cost at context %d (x one position): %s; pipelined plain step %.2f", c,
+                     ", ".join(f"{p}:{table.relative(p, c):.2f}" for p in table.widths),
+                     table.plain(c) / table.cost(1, c))
         return table
 
     # -- text level -----------------------------------------------------------------------------
@@ -247,6 +296,8 @@ class Engine:
         for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "draft_passes",
                   "drafted", "accepted", "gated_steps"):
             setattr(t, f, getattr(t, f) + getattr(s, f))
+        for name, c in s.sources.items():
+            t.count(name, c.drafted, c.accepted)
         t.prefill_s += s.prefill_s
         t.decode_s += s.decode_s
 
@@ -280,15 +331,14 @@ class Engine:
         self._prefill(prompt, run.stats)
         run.stats.prefill_s = time.perf_counter() - t0
         if drafter is None and speculate:
-            drafter = NgramDrafter(prompt, sources, min_n=self.min_n)
+            drafter = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n)
         if drafter is not None:
             self.gate  # measure verify costs now (once), not inside the timed decode
         t0 = time.perf_counter()
         eos = self.tokenizer.eos_ids
-        if drafter is None and run.params.greedy and all(trimmable_kind(c) for c in layers(self.cache)):
-            passes = self._greedy_pipeline(prompt[-1], run)
-        else:
-            passes = self._steps(prompt[-1], run, drafter)
+        self._last_read = None
+        answer: list[int] = []
+        passes = self._decode(prompt[-1], run, drafter)
         try:
             if cancelled is not None and cancelled():
                 run.finish_reason = "cancelled"
@@ -306,6 +356,7 @@ class Engine:
                 if new:
                     if drafter is not None:
                         drafter.extend(new)
+                    answer.extend(new)
                     yield new
                 if run.budget <= 0:
                     break
@@ -316,44 +367,92 @@ class Engine:
             passes.close()
             run.stats.decode_s = time.perf_counter() - t0
             self.live.checkpoint()  # the end of the answer: the next turn resends it
+            self.recent.add(answer)
 
-    def _steps(self, pending: int, run: Run, drafter: Drafter | None) -> Iterator[list[int]]:
-        """Verify passes, one at a time: each needs the previous pass's tokens to draft."""
-        while True:
-            new = self._step(pending, run, drafter)
-            yield new
-            pending = new[-1]
+    def _decode(self, pending: int, run: Run, drafter: Drafter | None) -> Iterator[list[int]]:
+        """The decode loop: yield the tokens each pass adds, for plain and speculative decoding.
 
-    def _greedy_pipeline(self, pending: int, run: Run) -> Iterator[list[int]]:
-        """Plain greedy decoding with the next pass queued before the current token is read, as
-        mlx-lm's ``generate_step`` does, so the device never idles while Python handles a token.
-        On an H200 a step of the default model is a few milliseconds, most of it launch and
-        Python overhead: without this the plain baseline would be slower than mlx-lm's and every
-        speedup measured against it flattered. Only for attention caches: the pass computed
-        ahead is trimmed away when decoding stops."""
-
-        def forward(y: mx.array) -> mx.array:
-            return mx.argmax(self.model(y.reshape(1, 1), cache=self.cache)[0, -1])
-
-        fed = pending
-        y = forward(mx.array(pending))
-        mx.async_eval(y)
-        ahead = False
+        While the drafter has nothing the gate will verify, greedy decoding is pipelined as
+        mlx-lm's ``generate_step`` is: the next one-position pass is queued on the device before
+        the current token is read back, so the device never idles while Python handles a token
+        and proposes. On an H200 a step of the default model is a few milliseconds, most of it
+        launch and host work: run synchronously, the gated-off steps made prose up to 26% slower
+        than plain decoding there. A proposal switches to verify passes (one synchronous
+        read-back each, since the next pass depends on how many drafts were accepted) and a
+        step without one switches back. Sampled plain steps stay synchronous: the sampler runs
+        on the host.
+        """
+        pipelined = run.params.greedy and (drafter is None or self._pipelining_pays())
+        ahead: _Ahead | None = None  # a plain pass in flight, queued before its input was read
         try:
             while True:
-                nxt = forward(y)  # queued on the device before y is read
-                mx.async_eval(nxt)
-                ahead = True
-                token = y.item()
-                run.stats.passes += 1
-                self.live.tokens.append(fed)
-                fed = token
+                if ahead is None:
+                    draft = self._drafts(drafter, run)
+                    if draft.tokens or not pipelined:
+                        new = self._verify(pending, draft, run)
+                        yield new
+                        pending = new[-1]
+                        continue
+                    ahead = self._queue(mx.array(pending), pending)
+                nxt = self._queue(ahead.y, None)  # on the device before ahead's token is read
+                token = self._commit(ahead, run)
+                nxt.fed = token
+                ahead = nxt
                 yield [token]
-                y = nxt
+                pending = token
+                draft = self._drafts(drafter, run)
+                if draft.tokens:  # they start with a guess of the token ahead's pass computes
+                    new = self._verify(ahead, draft, run)
+                    ahead = None
+                    yield new
+                    pending = new[-1]
         finally:
-            if ahead:  # the cache holds the last token fed ahead; emitted tokens end before it
-                for c in layers(self.cache):
-                    c.trim(1)
+            if ahead is not None:  # the pass queued ahead fed a token past the answer's end
+                ahead.ckpt.rollback(0)
+
+    def _pipelining_pays(self) -> bool:
+        """Whether plain steps should run ahead while speculating: where a pipelined step costs
+        no less than a synchronous one (a CPU, whose cores run both the graph and the host), the
+        pass queued ahead is wasted each time a proposal appears."""
+        costs = self.costs
+        context = len(self.cache_tokens)
+        return costs.plain(context) < PIPELINE_GAIN * costs.cost(1, context)
+
+    def _queue(self, token: mx.array, fed: int | None) -> "_Ahead":
+        """Queue a one-position greedy pass on ``token`` (possibly not yet computed)."""
+        ckpt = Checkpoint(self.cache, 1)
+        y = mx.argmax(self.model(token.reshape(1, 1), cache=self.cache)[0, -1])
+        mx.async_eval(y)
+        return _Ahead(fed, y, ckpt)
+
+    def _commit(self, ahead: "_Ahead", run: Run) -> int:
+        """Read a queued pass's token: its input now belongs to the cache."""
+        token = ahead.y.item()
+        now = time.perf_counter()
+        if self._last_read is not None and self._costs is not None and self.observe_costs:
+            self._costs.observe_plain(len(self.cache_tokens), now - self._last_read)
+        self._last_read = now
+        run.stats.passes += 1
+        self.live.tokens.append(ahead.fed)
+        return token
+
+    def _drafts(self, drafter: Drafter | None, run: Run) -> "Draft":
+        """What to verify after the last emitted token, by the gate (no tokens: a plain step). The drafter's and gate's host time is measured for the gate:
+        on a device where a step takes milliseconds it is part of what drafting costs."""
+        if drafter is None or run.budget <= 1:
+            return NO_DRAFT
+        gate = self.gate
+        if not gate.should_propose():
+            return NO_DRAFT
+        t = time.perf_counter()
+        proposal = drafter.propose(min(self.max_draft, run.budget - 1))
+        k = 0
+        if proposal is not None:
+            k = gate.choose(len(proposal.tokens), proposal.match_len, len(self.cache_tokens))
+            if k == 0:
+                run.stats.gated_steps += 1
+        gate.observe_host(time.perf_counter() - t, drafting=k > 0, context=len(self.cache_tokens))
+        return Draft(proposal.tokens[:k], proposal.match_len, proposal.source) if k else NO_DRAFT
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> None:
         """Bring the live cache to hold ``prompt[:-1]``, starting from the state (live or stored)
@@ -398,32 +497,43 @@ class Engine:
         if exact:
             self.live.checkpoint()  # the end of the prompt: where the next turn usually diverges
 
-    def _step(self, pending: int, run: Run, drafter: Drafter | None) -> list[int]:
-        """One pass: verify ``pending`` + drafts; return the accepted drafts + the next token."""
-        drafts: list[int] = []
-        match_len = 0
-        if drafter is not None and run.budget > 1:
-            proposal = drafter.propose(min(self.max_draft, run.budget - 1))
-            if proposal is not None:
-                match_len = proposal.match_len
-                k = self.gate.choose(len(proposal.tokens), match_len, len(self.cache_tokens))
-                drafts = proposal.tokens[:k]
-                if k == 0:
-                    run.stats.gated_steps += 1
-        inputs = [pending, *drafts]
-        ckpt = Checkpoint(self.cache, len(inputs)) if drafts else None
+    def _verify(self, head: "int | _Ahead", draft: "Draft", run: Run) -> list[int]:
+        """One pass: verify ``head`` + drafts; return the accepted drafts + the next token (no
+        drafts: a plain step).
+
+        ``head`` is the last emitted token, or a pass queued ahead whose token is not read yet:
+        then ``drafts[0]`` guesses that token and the pass is queued on it unread, so the device
+        goes straight from one pass to the next; a wrong guess rejects every draft, and the
+        model's token after the real one is still right.
+        """
+        guess = None
+        drafts, match_len = draft.tokens, draft.match_len
+        if isinstance(head, _Ahead):
+            guess, drafts = drafts[0], drafts[1:]
+            first = head.y.reshape(1)
+            x = mx.concatenate([first, mx.array(drafts, dtype=first.dtype)]) if drafts else first
+        else:
+            self._last_read = None
+            x = mx.array([head, *drafts])
+        ckpt = Checkpoint(self.cache, 1 + len(drafts)) if drafts or guess is not None else None
         t = time.perf_counter()
         if ckpt is not None and self.capture:
-            logits, ckpt.tape = hybrid.verify_forward(self.model, mx.array([inputs]), self.cache)
+            logits, ckpt.tape = hybrid.verify_forward(self.model, x[None], self.cache)
             logits = logits[0]
         else:
-            logits = self.model(mx.array([inputs]), cache=self.cache)[0]
+            logits = self.model(x[None], cache=self.cache)[0]
         params = run.params
+        if guess is not None:
+            pending = self._commit(head, run)
+            t_commit = time.perf_counter()
+        else:
+            pending = head
         if params.greedy:
             targets = mx.argmax(logits, axis=-1).tolist()
             n = 0
-            while n < len(drafts) and drafts[n] == targets[n]:
-                n += 1
+            if guess is None or guess == pending:
+                while n < len(drafts) and drafts[n] == targets[n]:
+                    n += 1
             nxt = targets[n]
         else:
             rows = np.array(logits.astype(mx.float32))
@@ -432,17 +542,25 @@ class Engine:
             else:
                 n, nxt = 0, sample(distribution(rows[0], params), run.rng)
         if self._costs is not None and self.observe_costs:
-            self._costs.observe(len(inputs), len(self.cache_tokens), time.perf_counter() - t)
+            start = t if guess is None else t_commit  # a queued-ahead pass: from its head's read
+            self._costs.observe(1 + len(drafts), len(self.cache_tokens), time.perf_counter() - start)
+        self._last_read = None
         run.stats.passes += 1
+        inputs = [pending, *drafts]
         if ckpt is not None:
             if not ckpt.rollback(n + 1):
                 self.model(mx.array([inputs[: n + 1]]), cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 run.stats.passes += 1
                 self.replays += 1
-            self.gate.observe(match_len, len(drafts), n)
+            hit = guess is None or guess == pending
+            drafted = len(drafts) + (guess is not None)
+            accepted = (n + (guess is not None)) if hit else 0
+            self.gate.observe(match_len, drafted, accepted)
+            run.stats.count(draft.source, drafted, accepted)
             run.stats.draft_passes += 1
-            run.stats.drafted += len(drafts)
-            run.stats.accepted += n
+            run.stats.drafted += drafted
+            run.stats.accepted += accepted
         self.live.tokens.extend(inputs[: n + 1])
-        return [*drafts[:n], nxt]
+        out = [*drafts[:n], nxt]
+        return out if guess is None else [pending, *out]

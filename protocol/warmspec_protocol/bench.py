@@ -10,6 +10,7 @@ __all__ = [
     "WorkspaceFiles",
     "BenchCase",
     "Machine",
+    "Divergence",
     "CaseResult",
     "ReplayResult",
     "ModeSummary",
@@ -56,6 +57,19 @@ class Machine(Struct, kw_only=True):
     load_avg: float  # 1-minute load when the bench started: the machine may be shared
 
 
+class Divergence(Struct, kw_only=True):
+    """Where a mode's tokens first differ from plain's, and how close plain's choice was there:
+    the top-2 logit margin of a one-position pass at that position. A near tie (a small margin)
+    can resolve either way between kernels of different widths on a GPU; a wide margin is a bug."""
+
+    position: int  # index into the output
+    plain_token: int | None  # None: plain had ended
+    other_token: int | None  # None: the mode had ended
+    margin: float  # plain's top-1 minus top-2 logit at the position
+    other_gap: float | None  # plain's top-1 logit minus its logit of the mode's token
+    bug: bool  # margin above the tolerance a near tie allows
+
+
 class CaseResult(Struct, kw_only=True):
     """One case (one turn of a conversation) in one mode; times are medians over repeats."""
 
@@ -77,6 +91,7 @@ class CaseResult(Struct, kw_only=True):
     finish_reason: str = ""
     copy_fraction: float = 0.0
     load_avg: float = 0.0  # 1-minute load average after the case: above the core count, noisy
+    divergence: Divergence | None = None  # where the tokens first differ from plain's
 
 
 class ReplayResult(Struct, kw_only=True):
@@ -106,6 +121,10 @@ class ModeSummary(Struct, kw_only=True):
     acceptance: float
     tokens_per_pass: float
     identical: str  # "n/m"
+    min_speedup: float = 0.0  # the slowest case against plain
+    min_case: str = ""
+    divergences: int = 0
+    max_divergence_margin: float = 0.0
 
 
 class PrefixCacheSummary(Struct, kw_only=True):
@@ -139,6 +158,7 @@ class BenchResults(Struct, kw_only=True):
     repeat: int
     max_draft: int
     costs: dict[int, dict[int, float]]  # verify costs measured here at start: {context: {P: s}}
+    plain_costs: dict[int, float] = {}  # pipelined plain step measured here: {context: s}
     replay_costs: str  # which table priced the replays: "measured" or a file
     cases: list[CaseResult]
     replays: list[ReplayResult]

@@ -12,6 +12,7 @@ __all__ = [
     "FunctionCall",
     "ToolCall",
     "Message",
+    "SourceCount",
     "GenerationStats",
     "FinishReason",
     "ModelInfo",
@@ -67,6 +68,13 @@ class Message(Struct, kw_only=True, omit_defaults=True):
     tool_call_id: str | None = None
 
 
+class SourceCount(Struct, kw_only=True):
+    """Draft tokens one guess source proposed for verification, and how many were accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
 class GenerationStats(Struct, kw_only=True, omit_defaults=False):
     """What one request cost and how much speculation saved.
 
@@ -84,6 +92,9 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
     drafted: int = 0
     accepted: int = 0
     gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
+    # per guess source ("request": the prompt and the answer so far; "workspace": files read;
+    # "recent": earlier answers; "prediction": a client's predicted output)
+    sources: dict[str, SourceCount] = {}
 
     @property
     def tokens_per_pass(self) -> float:
@@ -116,7 +127,18 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
                      f" (mean draft {self.mean_draft_length:.1f})")
         if self.gated_steps:
             line += f", {self.gated_steps} guesses gated off"
+        if self.accepted:
+            line += ", accepted from " + ", ".join(
+                f"{name} {c.accepted}" for name, c in sorted(self.sources.items(), key=lambda x: -x[1].accepted)
+                if c.accepted)
         return line
+
+    def count(self, source: str, drafted: int, accepted: int) -> None:
+        c = self.sources.get(source)
+        if c is None:
+            c = self.sources[source] = SourceCount()
+        c.drafted += drafted
+        c.accepted += accepted
 
 
 class ModelInfo(Struct, kw_only=True):
