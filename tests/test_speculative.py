@@ -270,3 +270,24 @@ def test_a_repeated_answer_is_drafted_from_the_engine_s_recent_answers():
     engine.store.clear()
     _, st3 = decode(lm, prompt, 60, speculate=True, engine=engine)
     assert st3.accepted == st1.accepted  # without the recent answers: as the first time
+
+
+def test_a_prediction_is_drafted_from_the_first_token():
+    """OpenAI-style predicted output: drafted from the answer's first token, ahead of every other
+    source; a right prediction is accepted nearly whole, a wrong one changes nothing."""
+    lm = tiny.build("qwen3")
+    prompt = np.random.default_rng(4).integers(0, tiny.VOCAB, 25).tolist()
+    plain, _ = decode(lm, prompt, 50)
+    engine = Engine(lm, speculate=True, costs=CostTable(CHEAP.points), gated=False, observe_costs=False)
+    run = Run(SamplingParams(), 50, GenerationStats())
+    right = [t for new in engine.generate_tokens(prompt, run, prediction=plain) for t in new]
+    assert right == plain
+    assert run.stats.sources["prediction"].accepted >= 45 and run.stats.passes <= 5
+    engine.reset()
+    engine.store.clear()
+    engine.recent.clear()
+    wrong = [(t + 1) % tiny.VOCAB for t in plain]
+    run = Run(SamplingParams(), 50, GenerationStats())
+    out = [t for new in engine.generate_tokens(prompt, run, prediction=wrong) for t in new]
+    assert out == plain
+    assert run.stats.sources["prediction"].accepted == 0 < run.stats.sources["prediction"].drafted

@@ -142,6 +142,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int], block: int = 4096) -> int:
 
 Source = tuple[NgramIndex, int]  # an index and its priority (higher wins ties)
 OWN_PRIORITY = 1 << 30
+PREDICTION_PRIORITY = OWN_PRIORITY + 1  # what the client predicted wins every tie
+# The evidence a client's prediction starts with, before any token agreed: as good as a match of
+# this many tokens (the gate's acceptance estimates are kept per match length).
+PREDICTION_AGREEMENT = 17
 
 # After a divergence, how far around the source position where it happened a re-alignment is
 # looked for, and for how many emitted tokens the position is kept before the drafter relies on
@@ -210,11 +214,15 @@ class NgramDrafter:
     """
 
     def __init__(self, context: Sequence[int], sources: Sequence[Source] = (),
-                 *, min_n: int = DEFAULT_MIN_N):
+                 *, min_n: int = DEFAULT_MIN_N, prediction: Sequence[int] = ()):
         self.own = NgramIndex(context, name="request", min_n=min_n, kind="request")
         self.sources = [(s, prio) for s, prio in sources if s.min_n == min_n]
         self.follow: Follow | None = None
         self.proposals = 0
+        if prediction:  # the client's guess of the answer: followed from its first token
+            guess = NgramIndex(prediction, name="prediction", min_n=min_n, kind="prediction")
+            self.sources.insert(0, (guess, PREDICTION_PRIORITY))
+            self.follow = Follow(guess, 0, PREDICTION_AGREEMENT)
 
     def extend(self, tokens: Sequence[int]) -> None:
         f = self.follow

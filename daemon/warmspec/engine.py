@@ -262,6 +262,7 @@ class Engine:
         stop: Sequence[str] = (),
         speculate: bool | None = None,
         sources: Sequence[Source] = (),
+        prediction: Sequence[int] = (),
         drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[Delta | Finished]:
@@ -271,7 +272,7 @@ class Engine:
         out: list[int] = []
         run = Run(params, max_tokens, stats)
         steps = self.generate_tokens(prompt, run, speculate=speculate, sources=sources,
-                                     drafter=drafter, cancelled=cancelled)
+                                     prediction=prediction, drafter=drafter, cancelled=cancelled)
         try:
             for new in steps:
                 out.extend(new)
@@ -310,12 +311,15 @@ class Engine:
         *,
         speculate: bool | None = None,
         sources: Sequence[Source] = (),
+        prediction: Sequence[int] = (),
         drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[list[int]]:
         """Yield the tokens accepted by each pass (cut at end-of-sequence and the budget).
 
-        ``drafter`` replaces the default n-gram drafter over the prompt and ``sources``.
+        ``drafter`` replaces the default n-gram drafter over the prompt and ``sources``;
+        ``prediction`` is the client's guess of the answer (OpenAI's predicted outputs), drafted
+        first: from the answer's first token, and ranked above every other source.
         """
         prompt = list(prompt)
         if not prompt:
@@ -331,7 +335,8 @@ class Engine:
         self._prefill(prompt, run.stats)
         run.stats.prefill_s = time.perf_counter() - t0
         if drafter is None and speculate:
-            drafter = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n)
+            drafter = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
+                                   prediction=prediction)
         if drafter is not None:
             self.gate  # measure verify costs now (once), not inside the timed decode
         t0 = time.perf_counter()
