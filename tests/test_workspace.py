@@ -301,8 +301,9 @@ def test_drafter_finds_the_read_file_among_many(tree):
     sources = [(NgramIndex(tokens_of(d), name=f"decoy{i}"), 1) for i, d in enumerate(decoys)]
     sources.append((NgramIndex(tokens_of(target), name="target"), 1))
     context = tokens_of("Here is the new version:\ndef compute(a, b):\n    total = a ")
-    proposal = NgramDrafter(context, sources).propose(12)
-    assert proposal.source == "target"
+    drafter = NgramDrafter(context, sources)
+    proposal = drafter.propose(12)
+    assert proposal.source == "workspace" and drafter.follow.src.name == "target"
     assert bytes(proposal.tokens).decode() == "+ b\n    retu"  # 12 byte tokens
 
 
