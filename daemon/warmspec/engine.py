@@ -162,6 +162,7 @@ class Engine:
         self.totals = GenerationStats()
         self.resets = 0  # live caches dropped after a failure: a healthy daemon keeps this at 0
         self._last_read: float | None = None  # when the last pipelined token was read
+        self._proposing_s = 0.0  # host time spent proposing since then
         self.recent = RecentAnswers(min_n=min_n)  # earlier answers, drafted from
 
     @property
@@ -439,8 +440,10 @@ class Engine:
         token = ahead.y.item()
         now = time.perf_counter()
         if self._last_read is not None and self._costs is not None and self.observe_costs:
-            self._costs.observe_plain(len(self.cache_tokens), now - self._last_read)
+            # a plain step as plain decoding runs it: without the time spent proposing
+            self._costs.observe_plain(len(self.cache_tokens), now - self._last_read - self._proposing_s)
         self._last_read = now
+        self._proposing_s = 0.0
         run.stats.passes += 1
         self.live.tokens.append(ahead.fed)
         return token
@@ -460,7 +463,9 @@ class Engine:
             k = gate.choose(len(proposal.tokens), proposal.match_len, len(self.cache_tokens))
             if k == 0:
                 run.stats.gated_steps += 1
-        gate.observe_host(time.perf_counter() - t, drafting=k > 0, context=len(self.cache_tokens))
+        spent = time.perf_counter() - t
+        self._proposing_s += spent
+        gate.observe_host(spent, drafting=k > 0, context=len(self.cache_tokens))
         return Draft(proposal.tokens[:k], proposal.match_len, proposal.source) if k else NO_DRAFT
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> None:
@@ -550,9 +555,6 @@ class Engine:
                 n, nxt = verify_sampled(rows, drafts, params, run.rng)
             else:
                 n, nxt = 0, sample(distribution(rows[0], params), run.rng)
-        if self._costs is not None and self.observe_costs:
-            start = t if guess is None else t_commit  # a queued-ahead pass: from its head's read
-            self._costs.observe(1 + len(drafts), len(self.cache_tokens), time.perf_counter() - start)
         self._last_read = None
         run.stats.passes += 1
         inputs = [pending, *drafts]
@@ -570,6 +572,11 @@ class Engine:
             run.stats.draft_passes += 1
             run.stats.drafted += drafted
             run.stats.accepted += accepted
+        if self._costs is not None and self.observe_costs:
+            # the whole step, rollback and bookkeeping included: what drafting costs over a plain
+            # step (a pass queued ahead is timed from its head's read)
+            start = t if guess is None else t_commit
+            self._costs.observe(1 + len(drafts), len(self.cache_tokens), time.perf_counter() - start)
         self.live.tokens.extend(inputs[: n + 1])
         out = [*drafts[:n], nxt]
         return out if guess is None else [pending, *out]
