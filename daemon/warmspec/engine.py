@@ -275,8 +275,11 @@ class Engine:
         speculate = self.speculate if speculate is None else speculate
         run.stats.prompt_tokens = len(prompt)
         t0 = time.perf_counter()
-        self._prefill(prompt, run.stats)
+        whole = self._prefill(prompt, run.stats, cancelled)
         run.stats.prefill_s = time.perf_counter() - t0
+        if not whole:
+            run.finish_reason = "cancelled"
+            return
         if drafter is None and speculate:
             drafter = NgramDrafter(prompt, sources, min_n=self.min_n)
         if drafter is not None:
@@ -353,9 +356,16 @@ class Engine:
                 for c in layers(self.cache):
                     c.trim(1)
 
-    def _prefill(self, prompt: list[int], stats: GenerationStats) -> None:
+    def _prefill(self, prompt: list[int], stats: GenerationStats,
+                 cancelled: Callable[[], bool] | None = None) -> bool:
         """Bring the live cache to hold ``prompt[:-1]``, starting from the state (live or stored)
-        that serves the longest prefix of it."""
+        that serves the longest prefix of it. False if ``cancelled`` cut it between chunks.
+
+        A cut prefill keeps what it computed: the live state then holds the chunks done so far
+        (with a checkpoint at the cut for the layers that cannot be trimmed), so a retry of the
+        same prompt, or a longer one, continues from there. A prompt of thousands of tokens is
+        seconds of prefill on a CPU; an editor that supersedes its ghost text or an agent that
+        hangs up must not hold the worker for them."""
         target = prompt[:-1]
         fresh = lambda: make_prompt_cache(self.model)  # noqa: E731
         live_use = self.live.usable(target)
@@ -382,6 +392,10 @@ class Engine:
         exact = bool(self.live._exact_layers())
         i = 0
         while i < len(rest):
+            if cancelled is not None and cancelled():
+                if exact:
+                    self.live.checkpoint()
+                return False
             n = min(self.prefill_chunk, len(rest) - i)
             if exact:  # end chunks on checkpoint positions
                 pos = len(self.live.tokens)
@@ -395,6 +409,7 @@ class Engine:
                 self.live.checkpoint()
         if exact:
             self.live.checkpoint()  # the end of the prompt: where the next turn usually diverges
+        return True
 
     def _step(self, pending: int, run: Run, drafter: Drafter | None) -> list[int]:
         """One pass: verify ``pending`` + drafts; return the accepted drafts + the next token."""

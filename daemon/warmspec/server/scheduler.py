@@ -4,8 +4,8 @@ Transports submit ``Job``s and iterate the returned ``Ticket`` for events (``Del
 ``Finished``). The worker decodes one job at a time, because on one device interleaving two
 decodes only makes both slower, and it keeps the engine's single live cache -- and with it the
 prefix cache and the n-gram state -- coherent. Interactive jobs (inline completions) jump the
-queue. Cancelling a ticket stops its job within one decode step; a job cancelled while queued
-never runs.
+queue. Cancelling a ticket stops its job within one prefill chunk or decode step; a job cancelled
+while queued never runs.
 """
 
 from __future__ import annotations
