@@ -86,3 +86,22 @@ def test_default_model_next_turn(default_lm, default_costs):
     assert warm.stats.cached_tokens > 40
     fresh = list(Engine(default_lm, costs=default_costs).generate(prompt, SamplingParams(), max_tokens=30))[-1]
     assert warm.tokens == fresh.tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_returning_conversation_survives_eviction_of_its_own_entry(arch):
+    """A, B, then A again under a budget of one and a half states: parking B's live state evicts
+    the least recently used entry, which is A's -- the very one the third request resumes from."""
+    lm = tiny.build(arch)
+    rng = np.random.default_rng(4)
+    a, b = (rng.integers(0, tiny.VOCAB, 60).tolist() for _ in range(2))
+    probe = Engine(lm, costs=CostTable(COSTS), checkpoint_every=16)
+    gen(probe, a)
+    budget = int(1.5 * probe.live.nbytes)
+    engine = Engine(lm, costs=CostTable(COSTS), prefix_budget_bytes=budget, checkpoint_every=16)
+    gen(engine, a)
+    gen(engine, b)
+    out, st = gen(engine, a)
+    assert engine.store.evictions >= 1
+    assert st.cached_tokens == len(a) - 1  # resumed from A's state, though it left the store
+    assert out == cold(lm, a)

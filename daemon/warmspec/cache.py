@@ -264,10 +264,13 @@ class PrefixStore:
                 best, best_use = e, use
         return best, best_use
 
-    def take(self, entry: CacheState) -> None:
+    def take(self, entry: CacheState) -> CacheState:
+        """A copy of ``entry`` to continue decoding on; the entry stays, most recently used.
+        The copy is independent, so a later ``put`` may evict or supersede the entry freely."""
         entry.last_used = time.monotonic()
         self.entries.remove(entry)
         self.entries.append(entry)
+        return entry.clone()
 
     def put(self, state: CacheState) -> None:
         if not state.tokens:

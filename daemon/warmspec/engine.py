@@ -371,9 +371,9 @@ class Engine:
         live_use = self.live.usable(target)
         entry, entry_use = self.store.best(target)
         if entry is not None and entry_use > live_use:
-            self.store.put(self.live)
-            self.store.take(entry)
-            self.live = entry.clone()
+            parked = self.live
+            self.live = self.store.take(entry)  # before parking: that may evict the entry
+            self.store.put(parked)
             reused = entry_use
         else:
             if len(self.live.tokens) - live_use >= KEEP_TAIL:
