@@ -109,15 +109,48 @@ def test_default_model_copy_prompt_exact(default_lm, default_costs):
     assert sst.passes < pst.passes / 2
 
 
+def generate(engine, prompt, **kw):
+    """``Engine.generate``'s Finished, after checking that the deltas carry its tokens in order."""
+    events = list(engine.generate(prompt, SamplingParams(), **kw))
+    fin = events[-1]
+    assert isinstance(fin, Finished)
+    assert [t for ev in events[:-1] for t in ev.tokens] == fin.tokens
+    assert "".join(ev.text for ev in events[:-1]) == fin.text
+    return fin
+
+
 def test_text_level_identical_with_stop(default_lm, default_costs):
-    prompt = chat_prompt(default_lm, "Repeat exactly: alpha beta gamma delta alpha beta gamma delta")
+    """Text, tokens and token counts (every API's usage) equal plain decoding's, though the stop
+    string ends inside a pass of accepted drafts (the file's copy is drafted from the prompt)."""
+    prompt = copy_prompt(default_lm)
     outs = []
     for spec in (False, True):
         engine = Engine(default_lm, speculate=spec, costs=default_costs)
-        fin = list(engine.generate(prompt, SamplingParams(), max_tokens=60, stop=["delta"]))[-1]
-        assert isinstance(fin, Finished)
-        outs.append((fin.text, fin.finish_reason))
+        fin = generate(engine, prompt, max_tokens=100, stop=["environ"])
+        outs.append((fin.text, fin.finish_reason, fin.tokens, fin.stats.completion_tokens))
     assert outs[0] == outs[1]
+    assert outs[0][1] == "stop" and outs[0][3] == len(outs[0][2])
+    assert fin.stats.accepted > 0
+    assert len(engine.cache_tokens) > len(prompt) + len(fin.tokens)  # the pass went past the stop
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_stop_string_inside_accepted_drafts_counts_as_plain(arch):
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(8).integers(0, tiny.VOCAB, 24).tolist()
+    engine = Engine(lm, speculate=False, costs=CostTable(CHEAP.points))
+    reference = generate(engine, prompt, max_tokens=40)
+    stop = reference.text[len(reference.text) // 2:][:2]
+    plain = generate(Engine(lm, speculate=False, costs=CostTable(CHEAP.points)), prompt, max_tokens=40,
+                     stop=[stop])
+    engine = Engine(lm, costs=CostTable(CHEAP.points), gated=False)
+    spec = generate(engine, prompt, max_tokens=40, stop=[stop],
+                    drafter=OracleDrafter(prompt, reference.tokens, wrong_every=1000, k=8))
+    assert plain.finish_reason == "stop" and len(plain.tokens) < len(reference.tokens)
+    assert (spec.text, spec.stop, spec.tokens) == (plain.text, plain.stop, plain.tokens)
+    assert spec.stats.completion_tokens == plain.stats.completion_tokens == len(plain.tokens)
+    # the pass that completed the stop string accepted drafts beyond it
+    assert len(engine.cache_tokens) >= len(prompt) + len(spec.tokens)
 
 
 def test_drafts_accepted_up_to_end_of_sequence_are_kept(default_lm, default_costs):

@@ -214,28 +214,42 @@ class Engine:
         drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[Delta | Finished]:
-        """Stream text deltas, then one ``Finished`` with the whole text and statistics."""
+        """Stream text deltas, then one ``Finished`` with the whole text and statistics.
+
+        Together the deltas carry every token of ``Finished.tokens``, in order: a token whose
+        text is held back (part of a UTF-8 character, or what may become a stop string) travels
+        with the next delta that has text."""
         stats = GenerationStats(prompt_tokens=len(prompt))
         text = TextStream(self.tokenizer, stop)
         out: list[int] = []
+        held: list[int] = []  # tokens not yet sent in a delta
         run = Run(params, max_tokens, stats)
         steps = self.generate_tokens(prompt, run, speculate=speculate, sources=sources,
                                      drafter=drafter, cancelled=cancelled)
         try:
             for new in steps:
+                delta = ""
+                for i, t in enumerate(new):
+                    delta += text.push(t)
+                    if text.stopped:
+                        # a pass may accept drafts past the stop string: count only the tokens
+                        # plain decoding would have emitted, up to the one that completed it
+                        stats.completion_tokens -= len(new) - (i + 1)
+                        new = new[: i + 1]
+                        run.finish_reason = "stop"
+                        break
                 out.extend(new)
-                delta = "".join(text.push(t) for t in new)
-                if text.stopped:
-                    run.finish_reason = "stop"
+                held.extend(new)
                 if delta or text.stopped:
-                    yield Delta(delta, new)
+                    yield Delta(delta, held)
+                    held = []
                 if text.stopped:
                     break
         finally:
             steps.close()
         tail = text.finish()
-        if tail:
-            yield Delta(tail, [])
+        if tail or held:
+            yield Delta(tail, held)
         self._add_totals(stats)
         log.info("request: %s, finish %s", stats.summary(), run.finish_reason)
         yield Finished(run.finish_reason, text.text, out, stats, text.matched)
