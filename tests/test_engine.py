@@ -197,3 +197,26 @@ def test_cancel_during_prefill_frees_the_scheduler():
         scheduler.stop()
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "cancelled"
     assert counting.calls == 1 < -(-299 // 64)
+
+
+@pytest.mark.parametrize("saved", ['{"64": {"1": 0}}', '{"64": {"1": -0.01, "2": 0.02}}',
+                                   '{"64": {"1": NaN}}', '{"64": {"1": Infinity}}', '{"64": {"1": null}}',
+                                   '{"64": [1, 2]}', '{"64": {"2": 0.1}}', '{"64": {"0": 0.1, "1": 0.1}}',
+                                   '[]', '{}', '"costs"', '{"-5": {"1": 0.1}}'])
+def test_bad_saved_cost_table_is_measured_again(saved, tmp_path, monkeypatch):
+    """A cost table file that is malformed, or whose costs are zero, negative or not finite
+    (the gate divides by them), is ignored: the engine measures again and saves a good one."""
+    path = tmp_path / "costs.json"
+    path.write_text(saved)
+    assert CostTable.load(path) is None
+    engine = Engine(tiny.build("llama"), cost_cache=path)
+    good = CostTable({0: {1: 1.0, 2: 1.1}})
+    monkeypatch.setattr(engine, "measure_costs", lambda *a, **k: good)
+    assert engine.costs is good and engine.gate.choose(4, 8) >= 0
+    assert CostTable.load(path).points == good.points
+
+
+def test_cost_table_refuses_non_positive_costs():
+    for row in ({1: 0.0}, {1: 1.0, 4: -1.0}, {1: float("inf")}, {1: float("nan")}, {0: 1.0, 1: 1.0}):
+        with pytest.raises(ValueError):
+            CostTable({0: row})
