@@ -26,7 +26,7 @@ def cold(lm, prompt, n=24):
     return gen(Engine(lm, costs=CostTable(COSTS)), prompt, n)[0]
 
 
-ARCHS = ["llama", "qwen3_5", "gemma3_text"]
+ARCHS = ["llama", "qwen3_5", "gemma3_text", "llama4"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
