@@ -68,6 +68,28 @@ def test_hybrid_rollback_both_ways(rollback):
         assert engine.replays > 0
 
 
+def test_capture_only_where_mlx_lm_skips_its_fused_kernel(monkeypatch):
+    """On Metal mlx-lm runs GatedDeltaNet through a fused kernel (key heads a multiple of 32),
+    which the per-position capture cannot reproduce bit for bit: replay there."""
+    from warmspec import hybrid
+
+    assert hybrid.uses_fused_kernel(128, metal_gpu=True)
+    assert hybrid.uses_fused_kernel(32, metal_gpu=True)
+    for dim, metal, training in ((128, False, False), (16, True, False), (48, True, False),
+                                 (128, True, True)):
+        assert not hybrid.uses_fused_kernel(dim, training=training, metal_gpu=metal)
+    lm = tiny.build("qwen3_5")  # key heads of 16: the ops path even on Metal
+    lm.model.eval()  # as loaded models are: mlx-lm uses no kernel while training
+    monkeypatch.setattr(hybrid, "_metal_gpu", lambda: True)
+    assert Engine(lm, costs=CostTable(CHEAP.points)).capture
+    for layer in lm.model.layers:
+        if layer.is_linear:
+            layer.linear_attn.head_k_dim = 64
+    assert not Engine(lm, costs=CostTable(CHEAP.points)).capture
+    monkeypatch.setattr(hybrid, "_metal_gpu", lambda: False)
+    assert Engine(lm, costs=CostTable(CHEAP.points)).capture
+
+
 def test_rotating_cache_wraps_during_speculation():
     """gemma3's sliding window is 8 here: 60 tokens wrap it many times mid-speculation."""
     lm = tiny.build("gemma3_text")

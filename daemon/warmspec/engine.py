@@ -120,9 +120,10 @@ class Engine:
         if recurrent_rollback not in ("capture", "replay"):
             raise ValueError("recurrent_rollback must be 'capture' or 'replay'")
         # Hybrids: capture per-position recurrent states in the verify pass where the model's
-        # structure is known, else restore and replay the accepted tokens.
+        # structure is known and the capture is exact on this device (not where mlx-lm uses its
+        # fused Metal kernel), else restore and replay the accepted tokens.
         self.capture = (recurrent_rollback == "capture" and has_recurrent(self.live.cache)
-                        and hybrid.supports(self.model))
+                        and hybrid.supports(self.model) and hybrid.capture_exact(self.model))
         self.replays = 0
         self.gated = gated
         self.cost_cache = cost_cache
