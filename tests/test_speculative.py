@@ -113,6 +113,26 @@ def test_ngram_self_drafting_exact(arch):
     assert stats.drafted > 0
 
 
+@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
+def test_end_of_sequence_inside_accepted_drafts(arch):
+    """A pass whose accepted drafts contain end-of-sequence, with more accepted after it: the
+    output stops at it exactly as plain decoding does, every cache kind."""
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(12).integers(0, tiny.VOCAB, 24).tolist()
+    reference, _ = decode(lm, prompt, 40)  # the byte tokenizer has no end-of-sequence
+    k = next(i for i in range(12, 40) if reference[i] not in reference[:i])
+    lm.tokenizer.eos_ids = frozenset({reference[k]})  # this model's own tokenizer only
+    plain = generate(Engine(lm, speculate=False, costs=CostTable(CHEAP.points)), prompt, max_tokens=40)
+    engine = Engine(lm, costs=CostTable(CHEAP.points), gated=False)
+    spec = generate(engine, prompt, max_tokens=40,
+                    drafter=ScriptedDrafter(prompt, reference, wrong_every=1000, k=8, vocab=tiny.VOCAB))
+    assert plain.tokens == reference[:k] and plain.finish_reason == "stop"
+    assert (spec.tokens, spec.text, spec.finish_reason) == (plain.tokens, plain.text, "stop")
+    assert spec.stats.completion_tokens == plain.stats.completion_tokens == k
+    # the end-of-sequence was an accepted draft with more accepted after it, not the bonus token
+    assert len(engine.cache_tokens) > len(prompt) + k
+
+
 def copy_prompt(lm):
     return chat_prompt(lm, f"You are editing the file `paths.py`.\n\nHere is the current content of "
                        f"the file:\n\n```python\n{SAMPLE_FILE}```\n\nChange request:\nRename cache_dir to "
