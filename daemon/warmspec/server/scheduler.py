@@ -120,11 +120,12 @@ class Scheduler:
         with self._cv:
             self._stopping = True
             queued, self._heap = self._heap, []
+            active = self.active  # under the lock: _next hands a job over and marks it active at once
             self._cv.notify_all()
         for _, _, t in queued:
             t.cancel()
             t._push(_cancelled(t.job))
-        if (active := self.active) is not None:
+        if active is not None:
             active.cancel()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -155,11 +156,11 @@ class Scheduler:
                 self._cv.wait()
             if self._stopping:
                 return None
-            return heapq.heappop(self._heap)[2]
+            self.active = heapq.heappop(self._heap)[2]
+            return self.active
 
     def _work(self) -> None:
         while (ticket := self._next()) is not None:
-            self.active = ticket
             try:
                 self._run(ticket)
             finally:
@@ -185,7 +186,6 @@ class Scheduler:
             log.exception("request %s failed", job.label or "?")
             self.engine.reset()
             ticket._push(JobError(f"internal error: {type(e).__name__}: {e}", client_error=False))
-
 
 
 def _cancelled(job: Job) -> Finished:
