@@ -59,3 +59,15 @@ def cache_dir() -> Path:
 def default_model_path() -> Path:
     return cache_dir() / "models" / "model.gguf"
 '''
+
+
+def wait_idle(scheduler, timeout: float = 120) -> None:
+    """Wait until ``scheduler`` runs no job and has none queued: a request that was cancelled or
+    abandoned stops between prefill chunks or decode steps, but not at once. Fails after
+    ``timeout`` seconds (generous: the machine may be shared)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while scheduler.active is not None or scheduler.queue_depth:
+        assert time.monotonic() < deadline, f"the scheduler is still busy after {timeout} s"
+        time.sleep(0.01)

@@ -1,13 +1,20 @@
 """The plain engine against a straightforward reference loop, sampling, stops and limits."""
 
+import asyncio
+import threading
+
 import mlx.core as mx
 import msgspec
+import numpy as np
+import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from warmspec.engine import Engine, Finished
+from warmspec.gate import CostTable
 from warmspec_protocol import SamplingParams
 
-from conftest import chat_prompt
+import tiny
+from conftest import chat_prompt, wait_idle
 
 
 def reference_greedy(model, prompt, n, eos):
@@ -111,3 +118,105 @@ def test_cost_table_persists_per_machine(default_lm, tmp_path, monkeypatch):
     assert second.costs.points == measured.points and not calls
     path.write_text("{not json")
     assert CostTable.load(path) is None
+
+
+# -- cancellation during prefill (tiny models: a 300-token prompt in 64-token chunks) ----------------
+
+class CountingModel:
+    """The model, counting forward passes (prefill chunks) and optionally holding the first one
+    until released, so a test can act while a job is known to be inside its prefill."""
+
+    def __init__(self, model, hold: bool = False):
+        self._model = model
+        self.calls = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.entered.set()
+        self.release.wait(timeout=120)
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def tiny_engine(lm, **kw):
+    return Engine(lm, speculate=False, prefill_chunk=64, costs=CostTable({0: {1: 1.0, 2: 1.1}}), **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_cancel_cuts_prefill_and_keeps_what_it_computed(arch):
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(5).integers(0, tiny.VOCAB, 300).tolist()
+    engine = tiny_engine(lm)
+    counting = CountingModel(engine.model)
+    engine.model = counting
+    fin = run(engine, prompt, max_tokens=8, cancelled=lambda: counting.calls >= 1)[-1]
+    assert fin.finish_reason == "cancelled" and fin.tokens == []
+    assert counting.calls == 1  # one chunk of the five the prompt needs
+    assert engine.cache_tokens == prompt[:64]
+    assert all(offset == 64 for offset in (c.offset for c in engine.cache if hasattr(c, "offset")))
+    # another prompt sharing the chunk continues from it; for the recurrent layers the retry
+    # of the first then resumes from the checkpoint taken at the cut
+    other = prompt[:64] + np.random.default_rng(6).integers(0, tiny.VOCAB, 100).tolist()
+    assert run(engine, other, max_tokens=8)[-1].stats.cached_tokens == 64
+    again = run(engine, prompt, max_tokens=8)[-1]
+    assert again.stats.cached_tokens == 64 and again.finish_reason == "length"
+    assert again.tokens == run(tiny_engine(lm), prompt, max_tokens=8)[-1].tokens
+
+
+def test_cancel_during_prefill_frees_the_scheduler():
+    """A ticket cancelled while its job is inside prefill: the job ends after the chunk in
+    flight, with Finished("cancelled"), and the worker is idle again."""
+    from warmspec.server.scheduler import Job, Scheduler
+
+    lm = tiny.build("llama")
+    engine = tiny_engine(lm)
+    counting = CountingModel(engine.model, hold=True)
+    engine.model = counting
+    scheduler = Scheduler(engine)
+    scheduler.start()
+    prompt = np.random.default_rng(6).integers(0, tiny.VOCAB, 300).tolist()
+
+    async def scenario():
+        ticket = scheduler.submit(Job(prompt=prompt, params=SamplingParams(), max_tokens=8))
+        assert await asyncio.to_thread(counting.entered.wait, 60), "the job never started its prefill"
+        ticket.cancel()
+        counting.release.set()
+        return [ev async for ev in ticket]
+
+    try:
+        events = asyncio.run(scenario())
+        wait_idle(scheduler)
+    finally:
+        counting.release.set()
+        scheduler.stop()
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "cancelled"
+    assert counting.calls == 1 < -(-299 // 64)
+
+
+@pytest.mark.parametrize("saved", ['{"64": {"1": 0}}', '{"64": {"1": -0.01, "2": 0.02}}',
+                                   '{"64": {"1": NaN}}', '{"64": {"1": Infinity}}', '{"64": {"1": null}}',
+                                   '{"64": [1, 2]}', '{"64": {"2": 0.1}}', '{"64": {"0": 0.1, "1": 0.1}}',
+                                   '[]', '{}', '"costs"', '{"-5": {"1": 0.1}}'])
+def test_bad_saved_cost_table_is_measured_again(saved, tmp_path, monkeypatch):
+    """A cost table file that is malformed, or whose costs are zero, negative or not finite
+    (the gate divides by them), is ignored: the engine measures again and saves a good one."""
+    path = tmp_path / "costs.json"
+    path.write_text(saved)
+    assert CostTable.load(path) is None
+    engine = Engine(tiny.build("llama"), cost_cache=path)
+    good = CostTable({0: {1: 1.0, 2: 1.1}})
+    monkeypatch.setattr(engine, "measure_costs", lambda *a, **k: good)
+    assert engine.costs is good and engine.gate.choose(4, 8) >= 0
+    assert CostTable.load(path).points == good.points
+
+
+def test_cost_table_refuses_non_positive_costs():
+    for row in ({1: 0.0}, {1: 1.0, 4: -1.0}, {1: float("inf")}, {1: float("nan")}, {0: 1.0, 1: 1.0}):
+        with pytest.raises(ValueError):
+            CostTable({0: row})

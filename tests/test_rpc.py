@@ -30,6 +30,7 @@ from warmspec_protocol import rpc as wire
 from warmspec_protocol.rpc import ErrorCode
 
 import tiny
+from conftest import wait_idle
 
 FAST_COSTS = CostTable({0: {1: 1.0, 2: 1.1, 33: 2.0}})  # skips the verify-cost measurement
 
@@ -55,6 +56,11 @@ class InProcessDaemon:
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    def wait_idle(self, timeout: float = 120) -> None:
+        """Until no job runs or waits: a cancelled or abandoned request stops between prefill
+        chunks or decode steps, a moment after its client has gone."""
+        wait_idle(self.app.scheduler, timeout)
 
     def client(self) -> Client:
         c = Client.unix(self.socket, timeout=10)

@@ -1,9 +1,11 @@
 """Speculative sampling is distributed exactly as plain sampling.
 
 Both are compared, by chi-square goodness of fit, with the exact joint distribution of the first
-two tokens computed from the model by teacher forcing, under a sampler that truncates (top-k,
-top-p, min-p) -- the case where a draft/verify mismatch would show. Seeds are fixed, so each test
-gives the same verdict every run; the negative control shows the test has the power to fail.
+three tokens computed from the model by teacher forcing, under a sampler that truncates (top-k,
+top-p, min-p) -- the case where a draft/verify mismatch would show. The drafter guesses two
+tokens, so a pass can accept both: the test covers acceptance past the first draft, where a wrong
+residual or a wrong position offset would show. Seeds are fixed, so each test gives the same
+verdict every run; the negative control shows the test has the power to fail.
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ PROMPT = [1, 5, 2, 7, 3]
 RUNS = 2500
 
 
-def exact_joint(lm) -> np.ndarray:
-    """p(t1, t2) under PARAMS, by teacher forcing."""
-    logits = lm.model(mx.array([PROMPT]))[0, -1]
-    p1 = distribution(np.array(logits), PARAMS)
-    joint = np.zeros((V, V))
-    for t1 in range(V):
-        if p1[t1] == 0:
-            continue
-        l2 = lm.model(mx.array([PROMPT + [t1]]))[0, -1]
-        joint[t1] = p1[t1] * distribution(np.array(l2), PARAMS)
+N = 3  # tokens sampled per run
+
+
+def exact_joint(lm, prefix=(), n=N) -> np.ndarray:
+    """p(t1, ..., tn) under PARAMS after PROMPT + prefix, by teacher forcing."""
+    logits = lm.model(mx.array([PROMPT + list(prefix)]))[0, -1]
+    p = distribution(np.array(logits), PARAMS)
+    if n == 1:
+        return p
+    joint = np.zeros((V,) * n)
+    for t in range(V):
+        if p[t] > 0:
+            joint[t] = p[t] * exact_joint(lm, (*prefix, t), n - 1)
     return joint
 
 
@@ -54,35 +59,48 @@ class FixedDrafter:
         return Proposal(tokens=self.guess[:k], match_len=64, source="fixed")
 
 
-def sampled_pairs(lm, speculate: bool, guess=None) -> np.ndarray:
+def sampled(lm, speculate: bool, guess=None) -> tuple[np.ndarray, list[int]]:
+    """Counts of the first N tokens over RUNS seeds, and the drafts accepted in each run."""
     engine = Engine(lm, speculate=speculate, costs=CostTable({0: {1: 1.0, 4: 1.0}}), gated=False)
-    counts = np.zeros((V, V))
+    counts = np.zeros((V,) * N)
+    accepted = []
     for seed in range(RUNS):
         params = SamplingParams(**{**{f: getattr(PARAMS, f) for f in PARAMS.__struct_fields__}, "seed": seed})
-        run = Run(params, 2, GenerationStats())
+        run = Run(params, N, GenerationStats())
         drafter = FixedDrafter(guess) if speculate else None
         out = [t for new in engine.generate_tokens(PROMPT, run, drafter=drafter, speculate=speculate)
                for t in new]
-        counts[out[0], out[1]] += 1
-    return counts
+        counts[tuple(out)] += 1
+        accepted.append(run.stats.accepted)
+    return counts, accepted
 
 
 def gof(counts: np.ndarray, joint: np.ndarray) -> float:
-    mask = joint.ravel() > 0
-    assert counts.ravel()[~mask].sum() == 0, "sampled a token outside the truncated support"
-    expected = joint.ravel()[mask] * counts.sum()
-    return chisquare(counts.ravel()[mask], expected).pvalue
+    """Chi-square p-value; cells expecting fewer than 5 samples are pooled into one."""
+    counts, joint = counts.ravel(), joint.ravel()
+    support = joint > 0
+    assert counts[~support].sum() == 0, "sampled a token outside the truncated support"
+    expected = joint * counts.sum()
+    big = expected >= 5
+    rest = support & ~big
+    obs = np.append(counts[big], counts[rest].sum())
+    exp = np.append(expected[big], expected[rest].sum())
+    return chisquare(obs, exp).pvalue
 
 
 def test_speculative_sampling_matches_plain_distribution():
     lm = tiny.build("llama", seed=3, scale=1.5, vocab=V)
     joint = exact_joint(lm)
-    assert (joint > 0).sum() >= 10  # a distribution with real spread, truncated somewhere
-    top1 = int(np.argmax(joint.sum(1)))
-    top2 = int(np.argmax(joint[top1]))
-    guess = [top1, (top2 + 1) % V]  # the first guess usually right, the second usually wrong
-    plain = sampled_pairs(lm, speculate=False)
-    spec = sampled_pairs(lm, speculate=True, guess=guess)
+    assert (joint > 0).sum() >= 30  # a distribution with real spread, truncated somewhere
+    first = joint.sum(axis=(1, 2))
+    g1 = int(np.argmax(first))
+    g2 = int(np.argmax(joint[g1].sum(axis=1)))
+    guess = [g1, g2]  # the model's likeliest continuation: both drafts often accepted
+    plain, _ = sampled(lm, speculate=False)
+    spec, accepted = sampled(lm, speculate=True, guess=guess)
+    # one pass (budget 3 = 2 drafts + the bonus token) accepted both drafts in many runs, and
+    # none in others: acceptance past the first draft and every rejection point are exercised
+    assert accepted.count(2) > RUNS // 20 and accepted.count(0) > RUNS // 20
     assert gof(plain, joint) > 0.001
     assert gof(spec, joint) > 0.001
 

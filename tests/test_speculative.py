@@ -70,6 +70,28 @@ def test_hybrid_rollback_both_ways(rollback):
         assert engine.replays > 0
 
 
+def test_capture_only_where_mlx_lm_skips_its_fused_kernel(monkeypatch):
+    """On Metal mlx-lm runs GatedDeltaNet through a fused kernel (key heads a multiple of 32),
+    which the per-position capture cannot reproduce bit for bit: replay there."""
+    from warmspec import hybrid
+
+    assert hybrid.uses_fused_kernel(128, metal_gpu=True)
+    assert hybrid.uses_fused_kernel(32, metal_gpu=True)
+    for dim, metal, training in ((128, False, False), (16, True, False), (48, True, False),
+                                 (128, True, True)):
+        assert not hybrid.uses_fused_kernel(dim, training=training, metal_gpu=metal)
+    lm = tiny.build("qwen3_5")  # key heads of 16: the ops path even on Metal
+    lm.model.eval()  # as loaded models are: mlx-lm uses no kernel while training
+    monkeypatch.setattr(hybrid, "_metal_gpu", lambda: True)
+    assert Engine(lm, costs=CostTable(CHEAP.points)).capture
+    for layer in lm.model.layers:
+        if layer.is_linear:
+            layer.linear_attn.head_k_dim = 64
+    assert not Engine(lm, costs=CostTable(CHEAP.points)).capture
+    monkeypatch.setattr(hybrid, "_metal_gpu", lambda: False)
+    assert Engine(lm, costs=CostTable(CHEAP.points)).capture
+
+
 def test_rotating_cache_wraps_during_speculation():
     """gemma3's sliding window is 8 here: 60 tokens wrap it many times mid-speculation."""
     lm = tiny.build("gemma3_text")
@@ -94,6 +116,26 @@ def test_ngram_self_drafting_exact(arch):
     assert set(stats.sources) == {"request"} and stats.sources["request"].drafted == stats.drafted
 
 
+@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
+def test_end_of_sequence_inside_accepted_drafts(arch):
+    """A pass whose accepted drafts contain end-of-sequence, with more accepted after it: the
+    output stops at it exactly as plain decoding does, every cache kind."""
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(12).integers(0, tiny.VOCAB, 24).tolist()
+    reference, _ = decode(lm, prompt, 40)  # the byte tokenizer has no end-of-sequence
+    k = next(i for i in range(12, 40) if reference[i] not in reference[:i])
+    lm.tokenizer.eos_ids = frozenset({reference[k]})  # this model's own tokenizer only
+    plain = generate(Engine(lm, speculate=False, costs=CostTable(CHEAP.points)), prompt, max_tokens=40)
+    engine = Engine(lm, costs=CostTable(CHEAP.points), gated=False)
+    spec = generate(engine, prompt, max_tokens=40,
+                    drafter=ScriptedDrafter(prompt, reference, wrong_every=1000, k=8, vocab=tiny.VOCAB))
+    assert plain.tokens == reference[:k] and plain.finish_reason == "stop"
+    assert (spec.tokens, spec.text, spec.finish_reason) == (plain.tokens, plain.text, "stop")
+    assert spec.stats.completion_tokens == plain.stats.completion_tokens == k
+    # the end-of-sequence was an accepted draft with more accepted after it, not the bonus token
+    assert len(engine.cache_tokens) > len(prompt) + k
+
+
 def copy_prompt(lm):
     return chat_prompt(lm, f"You are editing the file `paths.py`.\n\nHere is the current content of "
                        f"the file:\n\n```python\n{SAMPLE_FILE}```\n\nChange request:\nRename cache_dir to "
@@ -112,16 +154,49 @@ def test_default_model_copy_prompt_exact(default_lm, default_costs):
     assert sst.passes < pst.passes / 2
 
 
+def generate(engine, prompt, **kw):
+    """``Engine.generate``'s Finished, after checking that the deltas carry its tokens in order."""
+    events = list(engine.generate(prompt, SamplingParams(), **kw))
+    fin = events[-1]
+    assert isinstance(fin, Finished)
+    assert [t for ev in events[:-1] for t in ev.tokens] == fin.tokens
+    assert "".join(ev.text for ev in events[:-1]) == fin.text
+    return fin
+
+
 def test_text_level_identical_with_stop(default_lm, default_costs):
-    prompt = chat_prompt(default_lm, "Repeat exactly: alpha beta gamma delta alpha beta gamma delta")
+    """Text, tokens and token counts (every API's usage) equal plain decoding's, though the stop
+    string ends inside a pass of accepted drafts (the file's copy is drafted from the prompt)."""
+    prompt = copy_prompt(default_lm)
     outs = []
     for spec in (False, True):
         engine = Engine(default_lm, speculate=spec, costs=CostTable(default_costs.points),
                         observe_costs=False)
-        fin = list(engine.generate(prompt, SamplingParams(), max_tokens=60, stop=["delta"]))[-1]
-        assert isinstance(fin, Finished)
-        outs.append((fin.text, fin.finish_reason))
+        fin = generate(engine, prompt, max_tokens=100, stop=["environ"])
+        outs.append((fin.text, fin.finish_reason, fin.tokens, fin.stats.completion_tokens))
     assert outs[0] == outs[1]
+    assert outs[0][1] == "stop" and outs[0][3] == len(outs[0][2])
+    assert fin.stats.accepted > 0
+    assert len(engine.cache_tokens) > len(prompt) + len(fin.tokens)  # the pass went past the stop
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_stop_string_inside_accepted_drafts_counts_as_plain(arch):
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(8).integers(0, tiny.VOCAB, 24).tolist()
+    engine = Engine(lm, speculate=False, costs=CostTable(CHEAP.points))
+    reference = generate(engine, prompt, max_tokens=40)
+    stop = reference.text[len(reference.text) // 2:][:2]
+    plain = generate(Engine(lm, speculate=False, costs=CostTable(CHEAP.points)), prompt, max_tokens=40,
+                     stop=[stop])
+    engine = Engine(lm, costs=CostTable(CHEAP.points), gated=False)
+    spec = generate(engine, prompt, max_tokens=40, stop=[stop],
+                    drafter=OracleDrafter(prompt, reference.tokens, wrong_every=1000, k=8))
+    assert plain.finish_reason == "stop" and len(plain.tokens) < len(reference.tokens)
+    assert (spec.text, spec.stop, spec.tokens) == (plain.text, plain.stop, plain.tokens)
+    assert spec.stats.completion_tokens == plain.stats.completion_tokens == len(plain.tokens)
+    # the pass that completed the stop string accepted drafts beyond it
+    assert len(engine.cache_tokens) >= len(prompt) + len(spec.tokens)
 
 
 def test_drafts_accepted_up_to_end_of_sequence_are_kept(default_lm, default_costs):

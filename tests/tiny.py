@@ -2,7 +2,9 @@
 
 mlx-lm builds these architectures from a small config with random weights on CPU: ``llama`` and
 ``qwen3`` (attention KV), ``gemma3_text`` (sliding-window layers on ``RotatingKVCache``) and
-``qwen3_5`` (GatedDeltaNet layers on ``ArraysCache`` between attention layers).
+``qwen3_5`` (GatedDeltaNet layers on ``ArraysCache`` between attention layers), and ``llama4``
+(chunked local attention on ``ChunkedKVCache``, which drops positions before the current chunk,
+every fourth layer global; a small mixture of experts).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ CONFIGS = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
         tie_word_embeddings=True, max_position_embeddings=4096,
         rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "llama4": dict(model_type="llama4", text_config=dict(
+        model_type="llama4_text", hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+        attention_chunk_size=16, attention_bias=False, interleave_moe_layer_step=2, num_experts_per_tok=1,
+        num_local_experts=2, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0, use_qk_norm=True,
+        max_position_embeddings=4096)),
 }
 
 

@@ -9,7 +9,11 @@ regular intervals during prefill, at the end of each prompt and at the end of ea
 A verify pass appends 1 + k positions to every layer's cache; when only n drafts are accepted the
 last k - n positions must go. Each mlx-lm cache kind needs a different way back:
 
-- ``KVCache`` (and its quantized, concatenating and chunked kin): trim, O(1).
+- ``KVCache`` (and its quantized and concatenating kin): trim, O(1).
+- ``ChunkedKVCache`` (llama4's chunked local attention): trim, O(1), within a pass -- a pass
+  keeps the positions it appends. It drops positions before ``start_position`` for good (it keeps
+  about one chunk), so for the prefix cache it rewinds only while the rewound position's chunk is
+  still whole, and otherwise from a checkpoint, as a wrapped sliding window does.
 - ``RotatingKVCache`` (sliding-window attention): a multi-position update goes through its
   concatenating path, which leaves the buffer in temporal order with the new positions last, so
   slicing them off is exact even after the window has wrapped -- mlx-lm's own ``trim`` is exact
@@ -31,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache
 
 
 def layers(cache: Sequence[Any]) -> list[Any]:
@@ -142,7 +146,7 @@ def _clone_layer(c: Any) -> Any:
 
 def trimmable_kind(c: Any) -> bool:
     """Attention caches that hold every position and can drop any suffix."""
-    return not isinstance(c, (RotatingKVCache, ArraysCache)) and c.is_trimmable()
+    return not isinstance(c, (RotatingKVCache, ArraysCache, ChunkedKVCache)) and c.is_trimmable()
 
 
 def _can_rewind(c: Any, t: int) -> bool:
@@ -150,6 +154,10 @@ def _can_rewind(c: Any, t: int) -> bool:
     if isinstance(c, RotatingKVCache):
         # unwrapped and in temporal order: slot i holds position i
         return c.keys is None or (c.offset == c._idx and t <= c.offset)
+    if isinstance(c, ChunkedKVCache):
+        # its ``trim`` stops at ``start_position``; position t attends back to the start of its
+        # chunk, which must still be held
+        return c.keys is None or (c.start_position <= t - t % c.chunk_size and t <= c.offset)
     if isinstance(c, ArraysCache):
         return False
     return c.is_trimmable()
@@ -270,10 +278,13 @@ class PrefixStore:
                 best, best_use = e, use
         return best, best_use
 
-    def take(self, entry: CacheState) -> None:
+    def take(self, entry: CacheState) -> CacheState:
+        """A copy of ``entry`` to continue decoding on; the entry stays, most recently used.
+        The copy is independent, so a later ``put`` may evict or supersede the entry freely."""
         entry.last_used = time.monotonic()
         self.entries.remove(entry)
         self.entries.append(entry)
+        return entry.clone()
 
     def put(self, state: CacheState) -> None:
         if not state.tokens:

@@ -150,9 +150,10 @@ class Engine:
         if recurrent_rollback not in ("capture", "replay"):
             raise ValueError("recurrent_rollback must be 'capture' or 'replay'")
         # Hybrids: capture per-position recurrent states in the verify pass where the model's
-        # structure is known, else restore and replay the accepted tokens.
+        # structure is known and the capture is exact on this device (not where mlx-lm uses its
+        # fused Metal kernel), else restore and replay the accepted tokens.
         self.capture = (recurrent_rollback == "capture" and has_recurrent(self.live.cache)
-                        and hybrid.supports(self.model))
+                        and hybrid.supports(self.model) and hybrid.capture_exact(self.model))
         self.replays = 0
         self.gated = gated
         self.cost_cache = cost_cache
@@ -271,28 +272,42 @@ class Engine:
         drafter: Drafter | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[Delta | Finished]:
-        """Stream text deltas, then one ``Finished`` with the whole text and statistics."""
+        """Stream text deltas, then one ``Finished`` with the whole text and statistics.
+
+        Together the deltas carry every token of ``Finished.tokens``, in order: a token whose
+        text is held back (part of a UTF-8 character, or what may become a stop string) travels
+        with the next delta that has text."""
         stats = GenerationStats(prompt_tokens=len(prompt))
         text = TextStream(self.tokenizer, stop)
         out: list[int] = []
+        held: list[int] = []  # tokens not yet sent in a delta
         run = Run(params, max_tokens, stats)
         steps = self.generate_tokens(prompt, run, speculate=speculate, sources=sources,
                                      prediction=prediction, drafter=drafter, cancelled=cancelled)
         try:
             for new in steps:
+                delta = ""
+                for i, t in enumerate(new):
+                    delta += text.push(t)
+                    if text.stopped:
+                        # a pass may accept drafts past the stop string: count only the tokens
+                        # plain decoding would have emitted, up to the one that completed it
+                        stats.completion_tokens -= len(new) - (i + 1)
+                        new = new[: i + 1]
+                        run.finish_reason = "stop"
+                        break
                 out.extend(new)
-                delta = "".join(text.push(t) for t in new)
-                if text.stopped:
-                    run.finish_reason = "stop"
+                held.extend(new)
                 if delta or text.stopped:
-                    yield Delta(delta, new)
+                    yield Delta(delta, held)
+                    held = []
                 if text.stopped:
                     break
         finally:
             steps.close()
         tail = text.finish()
-        if tail:
-            yield Delta(tail, [])
+        if tail or held:
+            yield Delta(tail, held)
         self._add_totals(stats)
         log.info("request: %s, finish %s", stats.summary(), run.finish_reason)
         yield Finished(run.finish_reason, text.text, out, stats, text.matched)
@@ -337,8 +352,11 @@ class Engine:
         speculate = self.speculate if speculate is None else speculate
         run.stats.prompt_tokens = len(prompt)
         t0 = time.perf_counter()
-        self._prefill(prompt, run.stats)
+        whole = self._prefill(prompt, run.stats, cancelled)
         run.stats.prefill_s = time.perf_counter() - t0
+        if not whole:
+            run.finish_reason = "cancelled"
+            return
         if drafter is None and speculate:
             drafter = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
                                    prediction=prediction)
@@ -468,17 +486,24 @@ class Engine:
         gate.observe_host(spent, drafting=k > 0, context=len(self.cache_tokens))
         return Draft(proposal.tokens[:k], proposal.match_len, proposal.source) if k else NO_DRAFT
 
-    def _prefill(self, prompt: list[int], stats: GenerationStats) -> None:
+    def _prefill(self, prompt: list[int], stats: GenerationStats,
+                 cancelled: Callable[[], bool] | None = None) -> bool:
         """Bring the live cache to hold ``prompt[:-1]``, starting from the state (live or stored)
-        that serves the longest prefix of it."""
+        that serves the longest prefix of it. False if ``cancelled`` cut it between chunks.
+
+        A cut prefill keeps what it computed: the live state then holds the chunks done so far
+        (with a checkpoint at the cut for the layers that cannot be trimmed), so a retry of the
+        same prompt, or a longer one, continues from there. A prompt of thousands of tokens is
+        seconds of prefill on a CPU; an editor that supersedes its ghost text or an agent that
+        hangs up must not hold the worker for them."""
         target = prompt[:-1]
         fresh = lambda: make_prompt_cache(self.model)  # noqa: E731
         live_use = self.live.usable(target)
         entry, entry_use = self.store.best(target)
         if entry is not None and entry_use > live_use:
-            self.store.put(self.live)
-            self.store.take(entry)
-            self.live = entry.clone()
+            parked = self.live
+            self.live = self.store.take(entry)  # before parking: that may evict the entry
+            self.store.put(parked)
             reused = entry_use
         else:
             if len(self.live.tokens) - live_use >= KEEP_TAIL:
@@ -497,6 +522,10 @@ class Engine:
         exact = bool(self.live._exact_layers())
         i = 0
         while i < len(rest):
+            if cancelled is not None and cancelled():
+                if exact:
+                    self.live.checkpoint()
+                return False
             n = min(self.prefill_chunk, len(rest) - i)
             if exact:  # end chunks on checkpoint positions
                 pos = len(self.live.tokens)
@@ -510,6 +539,7 @@ class Engine:
                 self.live.checkpoint()
         if exact:
             self.live.checkpoint()  # the end of the prompt: where the next turn usually diverges
+        return True
 
     def _verify(self, head: "int | _Ahead", draft: "Draft", run: Run) -> list[int]:
         """One pass: verify ``head`` + drafts; return the accepted drafts + the next token (no

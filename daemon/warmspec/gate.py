@@ -29,6 +29,7 @@ that the host time spent on fruitless proposals stays under ``HOST_SHARE`` of pl
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -58,11 +59,17 @@ class CostTable:
     """
 
     def __init__(self, points: dict[int, dict[int, float]], plain: dict[int, float] | None = None):
-        """``points``: {context length: {width P: seconds}}; every context must measure P = 1.
+        """``points``: {context length: {width P: seconds}}; every context must measure P = 1,
+        and every cost must be a positive finite number of seconds (the gate divides by them).
         ``plain``: {context length: seconds per token of pipelined plain decoding}; without it a
         plain step is priced as a synchronous one-position pass."""
         if not points or any(1 not in row for row in points.values()):
             raise ValueError("a cost table needs the single-position cost at every context")
+        for c, row in points.items():
+            if c < 0 or any(p < 1 or not (math.isfinite(t) and t > 0) for p, t in row.items()):
+                raise ValueError(f"invalid cost table row at context {c}: {row}")
+        if any(c < 0 or not (math.isfinite(t) and t > 0) for c, t in (plain or {}).items()):
+            raise ValueError(f"invalid pipelined plain costs: {plain}")
         self.points = {c: dict(sorted(row.items())) for c, row in sorted(points.items())}
         self.plain_points = dict(sorted((plain or {}).items()))
         self.scale = 1.0
@@ -165,7 +172,8 @@ class CostTable:
 
     @classmethod
     def load(cls, path: Path) -> "CostTable | None":
-        """A table saved by ``save``, or None if missing or unreadable (then measure again)."""
+        """A table saved by ``save``, or None if missing, unreadable or not a valid table (then
+        measure again: a hand-edited or truncated file must not stop the daemon)."""
         try:
             raw = json.loads(path.read_text())
             return cls({int(c): {int(p): float(t) for p, t in row.items()} for c, row in raw["passes"].items()},

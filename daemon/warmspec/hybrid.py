@@ -8,9 +8,11 @@ verify pass itself runs the recurrence one position at a time and keeps each int
 (conv window, state) pair, so rolling back to any accepted prefix is a pointer swap.
 
 The per-position loop is the same arithmetic mlx-lm runs on CPU and CUDA (``gated_delta_ops``
-steps ``_gated_delta_step_ops``), so the states are bit-identical there; on Metal mlx-lm uses a
-fused kernel for its own passes, which may round differently. The cost is memory: one state per
-position per recurrent layer, held only until the pass is committed.
+steps ``_gated_delta_step_ops``), so the states are bit-identical there. Where mlx-lm runs its
+own passes through its fused Metal kernel instead (``uses_fused_kernel``), which rounds
+differently, the engine does not capture: it snapshots and replays, so every state comes from
+the model's own forward. The cost of capturing is memory: one state per position per recurrent
+layer, held only until the pass is committed.
 
 This mirrors mlx-lm's ``qwen3_5`` decoder loop and ``GatedDeltaNet.__call__`` (without pipeline
 or tensor parallelism); ``supports`` checks the structure before it is used, and the exactness
@@ -48,6 +50,27 @@ def supports(model: nn.Module) -> bool:
     return all(hasattr(gdn, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                          "conv1d", "A_log", "dt_bias", "norm", "out_proj")) and \
         getattr(gdn, "sharding_group", None) is None
+
+
+def _metal_gpu() -> bool:
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def uses_fused_kernel(head_k_dim: int, *, training: bool = False, metal_gpu: bool | None = None) -> bool:
+    """Would mlx-lm's ``gated_delta_update`` take its fused Metal kernel for layers of this key
+    head size? Its condition, mirrored: not training, the default device the GPU with Metal, and
+    a key head dimension that is a positive multiple of 32 (else it steps ``gated_delta_ops``,
+    the arithmetic ``_gdn`` repeats)."""
+    metal_gpu = _metal_gpu() if metal_gpu is None else metal_gpu
+    return not training and metal_gpu and head_k_dim >= 32 and head_k_dim % 32 == 0
+
+
+def capture_exact(model: nn.Module) -> bool:
+    """True where ``verify_forward`` (a ``supports`` model) computes bit-identically what the
+    model's own forward computes: wherever mlx-lm does not use its fused kernel."""
+    layers = _text_model(model).model.layers
+    return not any(uses_fused_kernel(l.linear_attn.head_k_dim, training=l.linear_attn.training)
+                   for l in layers if getattr(l, "is_linear", False))
 
 
 def _gdn(m: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array, list[list[mx.array]]]:

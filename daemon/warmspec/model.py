@@ -127,6 +127,15 @@ def generation_defaults(config: dict[str, Any]) -> SamplingParams:
     )
 
 
+def context_length(config: dict[str, Any]) -> int | None:
+    """The context the model was trained for; multimodal configs (Qwen3.5/3.6) keep it in
+    ``text_config``."""
+    for c in (config, config.get("text_config") or {}):
+        if isinstance(c, dict) and isinstance(n := c.get("max_position_embeddings"), int) and n > 0:
+            return n
+    return None
+
+
 def load_mlx_dir(path: Path, *, dequantize: bool, name: str) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, load_model
 
@@ -157,6 +166,6 @@ def load_mlx_dir(path: Path, *, dequantize: bool, name: str) -> LoadedModel:
         name=name,
         source=str(path),
         defaults=generation_defaults(gen),
-        context_length=config.get("max_position_embeddings"),
+        context_length=context_length(config),
         quantized=quantized,
     )

@@ -4,8 +4,8 @@ Transports submit ``Job``s and iterate the returned ``Ticket`` for events (``Del
 ``Finished``). The worker decodes one job at a time, because on one device interleaving two
 decodes only makes both slower, and it keeps the engine's single live cache -- and with it the
 prefix cache and the n-gram state -- coherent. Interactive jobs (inline completions) jump the
-queue. Cancelling a ticket stops its job within one decode step; a job cancelled while queued
-never runs.
+queue. Cancelling a ticket stops its job within one prefill chunk or decode step; a job cancelled
+while queued never runs.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ class Ticket:
         self.cancelled.set()
 
     def _push(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # its event loop has closed (shutdown): nobody is left to tell
+            log.debug("dropped an event for %s: its event loop is closed", self.job.label or "?")
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while not self.done:
@@ -112,13 +115,18 @@ class Scheduler:
             self._thread.start()
 
     def stop(self) -> None:
+        """Refuse new jobs, answer every queued one with Finished("cancelled") (they never
+        run), stop the active one within a prefill chunk or decode step, and wait for it."""
         with self._cv:
             self._stopping = True
-            for _, _, t in self._heap:
-                t.cancel()
+            queued, self._heap = self._heap, []
+            active = self.active  # under the lock: _next hands a job over and marks it active at once
             self._cv.notify_all()
-        if self.active is not None:
-            self.active.cancel()
+        for _, _, t in queued:
+            t.cancel()
+            t._push(_cancelled(t.job))
+        if active is not None:
+            active.cancel()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -148,11 +156,11 @@ class Scheduler:
                 self._cv.wait()
             if self._stopping:
                 return None
-            return heapq.heappop(self._heap)[2]
+            self.active = heapq.heappop(self._heap)[2]
+            return self.active
 
     def _work(self) -> None:
         while (ticket := self._next()) is not None:
-            self.active = ticket
             try:
                 self._run(ticket)
             finally:
@@ -161,7 +169,7 @@ class Scheduler:
     def _run(self, ticket: Ticket) -> None:
         job = ticket.job
         if ticket.cancelled.is_set():
-            ticket._push(Finished("cancelled", "", [], GenerationStats(prompt_tokens=len(job.prompt))))
+            ticket._push(_cancelled(job))
             return
         sources = self.workspace.sources(job.conversation) if self.workspace and job.speculate else ()
         try:
@@ -179,3 +187,7 @@ class Scheduler:
             self.engine.reset()
             ticket._push(JobError(f"internal error: {type(e).__name__}: {e}", client_error=False))
 
+
+def _cancelled(job: Job) -> Finished:
+    """The answer to a job that never ran."""
+    return Finished("cancelled", "", [], GenerationStats(prompt_tokens=len(job.prompt)))

@@ -1,0 +1,91 @@
+"""The scheduler's lifecycle on a tiny model: shutdown answers every ticket, and the worker
+outlives the event loops of the clients it answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from warmspec.engine import Finished
+from warmspec.server.scheduler import Job, Scheduler
+from warmspec_protocol import SamplingParams
+
+import tiny
+from conftest import wait_idle
+from test_engine import CountingModel, tiny_engine
+
+PROMPT = np.random.default_rng(9).integers(0, tiny.VOCAB, 300).tolist()
+
+
+def held_scheduler() -> tuple[Scheduler, CountingModel]:
+    """A started scheduler whose first forward pass waits until ``release`` is set."""
+    engine = tiny_engine(tiny.build("llama"))
+    counting = CountingModel(engine.model, hold=True)
+    engine.model = counting
+    scheduler = Scheduler(engine)
+    scheduler.start()
+    return scheduler, counting
+
+
+def job(max_tokens: int = 4) -> Job:
+    return Job(prompt=PROMPT, params=SamplingParams(), max_tokens=max_tokens)
+
+
+async def until_finished(ticket) -> list:
+    """The ticket's events up to its Finished; fails (no hang) if that never comes."""
+    async def collect():
+        return [ev async for ev in ticket]
+    return await asyncio.wait_for(collect(), timeout=60)
+
+
+def test_stop_finishes_queued_and_active_tickets():
+    scheduler, counting = held_scheduler()
+
+    async def scenario():
+        active = scheduler.submit(job())
+        queued = [scheduler.submit(job()), scheduler.submit(job())]
+        assert await asyncio.to_thread(counting.entered.wait, 60)
+        stopping = asyncio.ensure_future(asyncio.to_thread(scheduler.stop))
+        for _ in range(6000):  # stop() has cancelled the active job once its flag is set
+            if active.cancelled.is_set():
+                break
+            await asyncio.sleep(0.01)
+        counting.release.set()
+        events = [await until_finished(t) for t in (active, *queued)]
+        await stopping
+        return events
+
+    try:
+        events = asyncio.run(scenario())
+    finally:
+        counting.release.set()
+        scheduler.stop()
+    for evs in events:
+        assert isinstance(evs[-1], Finished) and evs[-1].finish_reason == "cancelled"
+    assert counting.calls == 1  # the active job stopped after the chunk in flight
+    assert not scheduler._thread.is_alive()
+
+
+def test_worker_survives_a_client_loop_that_closed():
+    """A client's event loop closes while its job runs (a transport shut down): the worker's
+    pushes go nowhere, the job is not counted as failed, and the next job is served."""
+    scheduler, counting = held_scheduler()
+
+    async def submit_and_leave():
+        scheduler.submit(job())
+        assert await asyncio.to_thread(counting.entered.wait, 60)
+
+    async def next_job():
+        return await until_finished(scheduler.submit(job(2)))
+
+    try:
+        asyncio.run(submit_and_leave())  # its loop is closed from here on
+        counting.release.set()
+        wait_idle(scheduler)
+        assert scheduler._thread.is_alive() and scheduler.failed == 0
+        events = asyncio.run(next_job())
+    finally:
+        counting.release.set()
+        scheduler.stop()
+    assert events[-1].finish_reason == "length" and len(events[-1].tokens) == 2
