@@ -25,7 +25,7 @@ def default_costs():
     rather than measured: the gate's choices follow the table, and a table measured while the
     machine is busy (CI beside other work) made them, and the passes they take, vary from run to
     run. ``test_engine`` tests the measurement itself."""
-    from warmspec.gate import CostTable
+    from warmspec.core.gate import CostTable
 
     return CostTable(CPU_COSTS)
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from warmspec import bench
-from warmspec.engine import MAX_DRAFT, Engine
-from warmspec.gate import CostTable
+from warmspec.core.engine import MAX_DRAFT, Engine
+from warmspec.core.gate import CostTable
 from warmspec_protocol.bench import BenchResults
 
 from conftest import SAMPLE_FILE

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from warmspec.engine import Engine, Finished
-from warmspec.gate import CostTable
-from warmspec_protocol import SamplingParams
+from warmspec.core.engine import Engine, Finished
+from warmspec.core.gate import CostTable
+from warmspec.core import SamplingParams
 
 import tiny
 from conftest import chat_prompt, wait_idle
@@ -103,8 +103,8 @@ def test_cancel_stops_within_a_step(default_lm):
 
 def test_cost_table_persists_per_machine(default_lm, tmp_path, monkeypatch):
     """The verify-cost measurement runs once per machine and model; later engines load it."""
-    from warmspec.engine import default_cost_cache
-    from warmspec.gate import CostTable
+    from warmspec.core.engine import default_cost_cache
+    from warmspec.core.gate import CostTable
 
     monkeypatch.setenv("WARMSPEC_CACHE", str(tmp_path))
     path = default_cost_cache(default_lm)

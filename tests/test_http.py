@@ -23,15 +23,15 @@ import openai
 import msgspec
 import pytest
 
-from warmspec.engine import Delta, Engine, EngineError, Finished
-from warmspec.gate import CostTable
+from warmspec.core.engine import Delta, Engine, EngineError, Finished
+from warmspec.core.gate import CostTable
 from warmspec.model import LoadedModel
 from warmspec.server.app import App, Limits
 from warmspec.server.http import CTX, host_allowed, start_http
 from warmspec_protocol import Message
 from warmspec.server.tools import ToolCallSplitter, parse_tool_calls, tool_format
 from warmspec.tokenizer import Tokenizer
-from warmspec_protocol import GenerationStats
+from warmspec.core import GenerationStats
 
 KEY = "test-key"
 QUESTION = "What is the capital of France?"

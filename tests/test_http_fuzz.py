@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from test_http import COSTS, KEY, Server
-from warmspec.engine import Engine
-from warmspec.gate import CostTable
+from warmspec.core.engine import Engine
+from warmspec.core.gate import CostTable
 from warmspec.server.app import App, Limits
 
 LIMITS = Limits(max_body_bytes=16 << 10)

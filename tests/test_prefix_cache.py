@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from warmspec.engine import Engine, Run
-from warmspec.gate import CostTable
+from warmspec.core.engine import Engine, Run
+from warmspec.core.gate import CostTable
 from warmspec.probes import ScriptedDrafter
-from warmspec_protocol import GenerationStats, SamplingParams
+from warmspec.core import GenerationStats, SamplingParams
 
 import tiny
 from conftest import chat_prompt

@@ -17,8 +17,8 @@ from pygls.exceptions import JsonRpcException
 from pygls.lsp.client import LanguageClient
 
 from warmspec.client import Client, RpcError
-from warmspec.engine import Delta, Engine
-from warmspec.gate import CostTable
+from warmspec.core.engine import Delta, Engine
+from warmspec.core.gate import CostTable
 from warmspec.server.app import App, Limits
 from warmspec.server.inline import CompletionCache, Window, cursor_context
 from warmspec.server import rpc

@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 from scipy.stats import chisquare
 
-from warmspec.drafting import Proposal
-from warmspec.engine import Engine, Run
-from warmspec.gate import CostTable
-from warmspec.sampling import distribution, sample, verify_sampled
-from warmspec_protocol import GenerationStats, SamplingParams
+from warmspec.core.drafter import Proposal
+from warmspec.core.engine import Engine, Run
+from warmspec.core.gate import CostTable
+from warmspec.core.sampling import distribution, sample, verify_sampled
+from warmspec.core import GenerationStats, SamplingParams
 
 import tiny
 

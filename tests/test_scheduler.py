@@ -7,9 +7,9 @@ import asyncio
 
 import numpy as np
 
-from warmspec.engine import Finished
+from warmspec.core.engine import Finished
 from warmspec.server.scheduler import Job, Scheduler
-from warmspec_protocol import SamplingParams
+from warmspec.core import SamplingParams
 
 import tiny
 from conftest import wait_idle

@@ -17,7 +17,7 @@ from tokenizers import decoders
 
 import tiny
 from warmspec import soak
-from warmspec.engine import Engine
+from warmspec.core.engine import Engine
 from warmspec.server.app import App
 from warmspec.server.http import Context
 from warmspec.tokenizer import byte_tokenizer

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from warmspec.cache import offset
-from warmspec.engine import Engine, Finished, Run
+from warmspec.core.cache import offset
+from warmspec.core.engine import Engine, Finished, Run
 from warmspec.probes import ScriptedDrafter
-from warmspec.gate import CostTable
-from warmspec_protocol import GenerationStats, SamplingParams
+from warmspec.core.gate import CostTable
+from warmspec.core import GenerationStats, SamplingParams
 
 import tiny
 from conftest import SAMPLE_FILE, chat_prompt
@@ -73,7 +73,7 @@ def test_hybrid_rollback_both_ways(rollback):
 def test_capture_only_where_mlx_lm_skips_its_fused_kernel(monkeypatch):
     """On Metal mlx-lm runs GatedDeltaNet through a fused kernel (key heads a multiple of 32),
     which the per-position capture cannot reproduce bit for bit: replay there."""
-    from warmspec import hybrid
+    from warmspec.core import hybrid
 
     assert hybrid.uses_fused_kernel(128, metal_gpu=True)
     assert hybrid.uses_fused_kernel(32, metal_gpu=True)
@@ -229,7 +229,7 @@ class Intermittent:
         self.pos += len(tokens)
 
     def propose(self, k):
-        from warmspec.drafting import Proposal
+        from warmspec.core.drafter import Proposal
 
         self.calls += 1
         phase = self.calls % 7

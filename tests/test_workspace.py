@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from warmspec.drafting import NgramDrafter, NgramIndex
+from warmspec.core.ngram import NgramDrafter, NgramIndex
 from warmspec.workspace import Workspace, WorkspaceError
 
 from tiny import byte_tokenizer
@@ -311,9 +311,9 @@ def test_tool_calls_index_the_files_they_read(tree):
     """An agent's read_file tool call marks the file as read in that conversation."""
     import msgspec
     import tiny
-    from warmspec.engine import Engine
+    from warmspec.core.engine import Engine
     from warmspec_protocol import Message
-    from warmspec.gate import CostTable
+    from warmspec.core.gate import CostTable
     from warmspec.server.app import App
 
     lm = tiny.build("llama")

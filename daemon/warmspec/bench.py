@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import msgspec
 
-from warmspec_protocol import GenerationStats, Message, SamplingParams
+from warmspec_protocol import Message
+from .core import GenerationStats, SamplingParams
 from warmspec_protocol.bench import (
     BenchCase,
     BenchResults,
@@ -51,12 +52,11 @@ from warmspec_protocol.bench import (
 )
 
 from . import blas, probes
-from .drafting import Source
-from .gate import CostTable
+from .core import CostTable, Source
 from .workspace import Workspace, WorkspaceError
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .core.engine import Engine
     from .model import LoadedModel
     from .tokenizer import Tokenizer
 
@@ -178,7 +178,7 @@ def divergence(lm: LoadedModel, prompt: Sequence[int], plain: Sequence[int],
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .engine import PREFILL_CHUNK
+    from .core.engine import PREFILL_CHUNK
 
     i = next((j for j, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
     if i == len(plain) == len(other):
@@ -209,7 +209,7 @@ class Sample(msgspec.Struct):
 
 def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence[Source] = ()) -> Sample:
     """One greedy generation; time to first token is prefill plus the first pass."""
-    from .engine import Run
+    from .core.engine import Run
 
     run = Run(GREEDY, max_tokens, GenerationStats())
     out: list[int] = []
@@ -313,7 +313,7 @@ def replay_engine(lm: LoadedModel, costs: CostTable, max_draft: int) -> Engine:
     import mlx.nn as nn
     from mlx_lm.models.cache import KVCache
 
-    from .engine import Engine
+    from .core.engine import Engine
     from .model import LoadedModel
 
     class ReplayModel(nn.Module):
@@ -358,7 +358,7 @@ def replay(engine: Engine, prompt: list[int], reference: Sequence[int], *,
     drafts exactly as there); by default the reference plus the end-of-sequence token. Plain
     decoding would spend one pass per token, plus one for end-of-sequence when it stopped.
     """
-    from .engine import Run
+    from .core.engine import Run
 
     eos = engine.tokenizer.eos_ids
     # End with the token that closes the turns of the prompt's chat template (SmolLM2:
@@ -539,7 +539,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
     takes ~2.5 hours on 2 cores (~3.3 minutes a file-edit case, plain decoding at 8-10 tok/s), and
     a run cut short must not cost its finished cases.
     """
-    from .engine import MAX_DRAFT, Engine, EngineError
+    from .core.engine import MAX_DRAFT, Engine, EngineError
 
     max_draft = max_draft or MAX_DRAFT
     cases = read_cases(inputs, limit)

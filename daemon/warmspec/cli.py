@@ -195,7 +195,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             return 2
     if not args.in_process:
         return ask_daemon(args, err)
-    from .engine import Engine, EngineError, Finished, default_cost_cache
+    from .core import Engine, EngineError, Finished, default_cost_cache
     from .model import ModelError, load
 
     with err.status(f"Loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}…"):

@@ -26,10 +26,10 @@ from typing import Sequence
 
 import msgspec
 
-from warmspec_protocol import GenerationStats, SamplingParams
+from .core import GenerationStats, SamplingParams
 
 from . import blas
-from .drafting import Proposal
+from .core.drafter import Proposal
 
 PROBES = ("blas", "rollback")
 DECODE_TOKENS = 64
@@ -97,7 +97,7 @@ def _matmul_s() -> float:
 
 
 def _decode_tok_s(lm) -> float:
-    from .engine import Engine, Run
+    from .core.engine import Engine, Run
 
     tok = lm.tokenizer
     prompt = tok.encode(tok.apply_chat_template(
@@ -155,8 +155,8 @@ def hybrid_model():
 def probe_rollback(wrongs: Sequence[int] = (2, 4, 8, 16), tokens: int = 128) -> list[RollbackRun]:
     import numpy as np
 
-    from .engine import Engine, Run
-    from .gate import CostTable
+    from .core.engine import Engine, Run
+    from .core.gate import CostTable
 
     lm = hybrid_model()
     prompt = np.random.default_rng(0).integers(0, 256, 200).tolist()

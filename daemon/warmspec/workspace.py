@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import unquote, urlparse
 
-from .drafting import DEFAULT_MIN_N, NgramIndex, Source
+from .core import DEFAULT_MIN_N, NgramIndex, Source
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("warmspec.workspace")

@@ -13,16 +13,25 @@ from typing import Any, Sequence
 
 import msgspec
 
-from warmspec_protocol import Message, ModelInfo, SamplingParams, Status
+import warmspec_protocol as wire
+from warmspec_protocol import Message, ModelInfo, Status
 
 from .. import blas
-from ..engine import Engine, EngineError
+from ..core import Engine, EngineError, SamplingParams
 from ..model import LoadedModel
 from ..tokenizer import Tokenizer
 from ..workspace import UnreadableFile, Workspace, WorkspaceError
 from .scheduler import PRIORITY_NORMAL, Busy, Job, Scheduler
 
 log = logging.getLogger("warmspec.app")
+
+
+def to_wire(obj: msgspec.Struct, kind: type) -> Any:
+    """A core value as its wire twin (the same fields), at the server's edge."""
+    return msgspec.convert(msgspec.to_builtins(obj), kind)
+
+
+to_core = to_wire  # and a checked wire value as the core's
 
 
 # Argument names under which coding agents' file tools pass the file they read or write.
@@ -168,9 +177,10 @@ class App:
         """The model's defaults overridden by whatever the client set (None = not set)."""
         changes = {k: v for k, v in given.items() if v is not None}
         try:
-            return msgspec.convert(msgspec.to_builtins(self.lm.defaults) | changes, SamplingParams)
+            checked = msgspec.convert(msgspec.to_builtins(self.lm.defaults) | changes, wire.SamplingParams)
         except msgspec.ValidationError as e:
             raise EngineError(f"invalid sampling parameter: {e}") from None
+        return to_core(checked, SamplingParams)
 
     def job(self, prompt: list[int], params: SamplingParams, *, max_tokens: int | None,
             stop: Sequence[str] | str | None = None, speculate: bool = True,
@@ -204,7 +214,8 @@ class App:
         return Status(model=self.model_info(), blas=blas.describe(), uptime_s=time.time() - self.started,
                       queue=s.queue_depth, active=s.active is not None,
                       requests_completed=s.completed, requests_failed=s.failed,
-                      totals=self.engine.totals,
+                      totals=to_wire(self.engine.totals, wire.GenerationStats),
                       workspace_files=len(ws.files), workspace_bytes=ws.nbytes,
                       workspace_roots=[str(r) for r in ws.roots], pid=os.getpid(),
-                      prefix_cache=self.engine.prefix_stats(), engine_resets=self.engine.resets)
+                      prefix_cache=to_wire(self.engine.prefix_stats(), wire.PrefixCacheStats),
+                      engine_resets=self.engine.resets)

@@ -178,7 +178,7 @@ def api_key_from(args: argparse.Namespace) -> str | None:
 
 def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None):
     """Load the model and start the scheduler; measure verify costs now, not during a request."""
-    from ..engine import Engine, default_cost_cache
+    from ..core import Engine, default_cost_cache
     from ..model import load
     from .app import App
 

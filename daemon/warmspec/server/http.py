@@ -42,14 +42,14 @@ from typing import Any, AsyncIterator, Sequence
 import msgspec
 from aiohttp import web
 
-from warmspec_protocol import FunctionCall, Message, ToolCall
+from warmspec_protocol import FunctionCall, GenerationStats, Message, ToolCall
 from warmspec_protocol import anthropic as ant
 from warmspec_protocol import openai as oai
 from warmspec_protocol.openai import SpeculationStats
 
-from ..engine import Delta, EngineError, Finished
+from ..core import Delta, EngineError, Finished
 from ..tokenizer import TokenizerError
-from .app import App
+from .app import App, to_wire
 from .dialects import (ApiError, ChatDialect, CompletionDialect, Dialect, MessagesDialect, Outcome,
                        ResponsesDialect, anthropic_error, openai_error)
 from .scheduler import Busy, Job, JobError, Ticket
@@ -118,7 +118,7 @@ async def _generate(request: web.Request, ctx: Context, ticket: Ticket,
                 yield tail
             yield Outcome(text="".join(parts), tool_calls=calls,
                           finish="tool_calls" if calls else ev.finish_reason,
-                          stop_sequence=ev.stop, stats=ev.stats)
+                          stop_sequence=ev.stop, stats=to_wire(ev.stats, GenerationStats))
             return
         else:
             assert isinstance(ev, JobError)  # a daemon fault's traceback is in the scheduler's log

@@ -44,13 +44,14 @@ from pygls.protocol import (JsonRPCNotification, JsonRPCRequestMessage, Language
                             default_converter, lsp_method)
 from pygls.workspace import TextDocument
 
+from warmspec_protocol import GenerationStats
 from warmspec_protocol import rpc as wire
 from warmspec_protocol.rpc import ErrorCode
 
 from .. import __version__
-from ..engine import Delta, EngineError, Finished
+from ..core import Delta, EngineError, Finished
 from ..workspace import WorkspaceError, path_from_uri
-from .app import App
+from .app import App, to_wire
 from .framing import HEADER_LIMIT, FrameError, frame, read_frame
 from .inline import GhostText
 from .scheduler import PRIORITY_NORMAL, Busy, Job, Ticket
@@ -386,7 +387,8 @@ class Connection(LanguageServer):
         ttft = first if first is not None else time.perf_counter() - started
         log.info("%s #%s %s: %s after %d tokens, first token in %.0f ms", self.name, msg_id, method,
                  fin.finish_reason, fin.stats.completion_tokens, ttft * 1000)
-        return wire.GenerateResult(text=fin.text, finish_reason=fin.finish_reason, stats=fin.stats,
+        return wire.GenerateResult(text=fin.text, finish_reason=fin.finish_reason,
+                                   stats=to_wire(fin.stats, GenerationStats),
                                    tok_s=fin.stats.decode_tok_s, ttft_s=ttft)
 
     async def run_job(self, job: Job, on_delta: Callable[[Delta], None] | None = None) -> Finished:

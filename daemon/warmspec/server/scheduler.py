@@ -20,9 +20,8 @@ from typing import AsyncIterator
 
 import msgspec
 
-from warmspec_protocol import GenerationStats, SamplingParams
 
-from ..engine import Delta, Engine, EngineError, Finished
+from ..core import Delta, Engine, EngineError, Finished, GenerationStats, SamplingParams
 from ..workspace import Workspace
 
 log = logging.getLogger("warmspec.scheduler")

@@ -35,7 +35,7 @@ import msgspec
 from mlx_lm.models.cache import make_prompt_cache
 from optiq.runtime.ngram_spec import NgramStats, ngram_generate_step
 from warmspec.bench import chat_ids, decode, flush, machine, read_cases
-from warmspec.engine import MAX_DRAFT, Engine
+from warmspec.core.engine import MAX_DRAFT, Engine
 from warmspec.model import load
 
 OPTIQ_DRAFT = 16  # `optiq serve --help`: "16 is a good value"

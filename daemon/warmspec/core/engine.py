@@ -25,15 +25,16 @@ import msgspec
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from warmspec_protocol import FinishReason, GenerationStats, PrefixCacheStats, SamplingParams
+from .types import FinishReason, GenerationStats, PrefixCacheStats, SamplingParams
 
 from . import hybrid
 from .cache import CacheState, Checkpoint, PrefixStore, has_recurrent, layers
-from .drafting import DEFAULT_MIN_N, Drafter, NgramDrafter, RecentAnswers, Source
+from .drafter import Drafter
+from .ngram import DEFAULT_MIN_N, NgramDrafter, RecentAnswers, Source
 from .gate import CostTable, Gate
-from .model import LoadedModel
+from ..model import LoadedModel
 from .sampling import distribution, make_rng, sample, verify_sampled
-from .tokenizer import TextStream
+from ..tokenizer import TextStream
 
 log = logging.getLogger("warmspec.engine")
 
@@ -57,7 +58,7 @@ PIPELINE_GAIN = 0.95
 def default_cost_cache(lm: LoadedModel, max_draft: int = MAX_DRAFT) -> Path:
     """Where this machine's verify costs for ``lm`` are kept: keyed by everything that changes
     them (model file, device, BLAS, MLX version, draft width, host)."""
-    from . import blas, fetch
+    from .. import blas, fetch
 
     src = Path(lm.source)
     stamp = src.stat().st_mtime_ns if src.exists() else 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from warmspec_protocol import SamplingParams
+from .types import SamplingParams
 
 
 def make_rng(params: SamplingParams) -> np.random.Generator:

@@ -14,29 +14,13 @@ breaks ties.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Sequence
 
-import msgspec
+from .drafter import Proposal
 
 DEFAULT_MIN_N = 3
 MAX_AGREEMENT = 256  # longer agreement says nothing more about which candidate is right
 OCCURRENCES_PER_KEY = 8
-
-
-class Proposal(msgspec.Struct, frozen=True):
-    """Up to k guessed tokens and why: how many context tokens agreed with the source."""
-
-    tokens: list[int]
-    match_len: int
-    source: str  # the kind of source: request, workspace, recent, prediction, ...
-
-
-class Drafter(Protocol):
-    """Anything that guesses: told every accepted token, asked for up to k guesses."""
-
-    def extend(self, tokens: Sequence[int]) -> None: ...
-
-    def propose(self, k: int) -> Proposal | None: ...
 
 
 class NgramIndex:
