@@ -52,11 +52,13 @@ class FixedDrafter:
     def __init__(self, guess):
         self.guess = guess
 
-    def extend(self, tokens):
+    wants_hidden = False
+
+    def commit(self, tokens, hidden=None):
         pass
 
     def propose(self, k):
-        return Proposal(tokens=self.guess[:k], match_len=64, source="fixed")
+        return Proposal(tokens=self.guess[:k], confidence=0.98, source="fixed")
 
 
 def sampled(lm, speculate: bool, guess=None) -> tuple[np.ndarray, list[int]]:

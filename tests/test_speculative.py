@@ -225,7 +225,9 @@ class Intermittent:
         self.pos = len(prompt)
         self.calls = 0
 
-    def extend(self, tokens):
+    wants_hidden = False
+
+    def commit(self, tokens, hidden=None):
         self.pos += len(tokens)
 
     def propose(self, k):
@@ -242,7 +244,7 @@ class Intermittent:
             guess[0] = (guess[0] + 1) % tiny.VOCAB
         elif phase == 5 and len(guess) > 2:
             guess[2] = (guess[2] + 1) % tiny.VOCAB
-        return Proposal(tokens=guess, match_len=64, source="intermittent")
+        return Proposal(tokens=guess, confidence=0.98, source="intermittent")
 
 
 @pytest.mark.parametrize("arch", list(tiny.CONFIGS))
@@ -291,8 +293,10 @@ class SlowDrafter:
         self.delay = delay
         self.calls = 0
 
-    def extend(self, tokens):
-        self.inner.extend(tokens)
+    wants_hidden = False
+
+    def commit(self, tokens, hidden=None):
+        self.inner.commit(tokens)
 
     def propose(self, k):
         import time

@@ -285,7 +285,7 @@ def test_editing_an_open_document_while_drafting_from_it(tree):
             drafter = NgramDrafter(context, ws.sources())
             for _ in range(20):
                 if proposal := drafter.propose(8):
-                    drafter.extend(proposal.tokens[:1])
+                    drafter.commit(proposal.tokens[:1])
                     drafted += 1
         except Exception as e:  # counted, and the test fails below
             errors.append(e)

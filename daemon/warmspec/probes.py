@@ -71,7 +71,9 @@ class ScriptedDrafter:
         self.vocab = vocab
         self.calls = 0
 
-    def extend(self, tokens: Sequence[int]) -> None:
+    wants_hidden = False
+
+    def commit(self, tokens: Sequence[int], hidden=None) -> None:
         self.pos += len(tokens)
 
     def propose(self, k: int) -> Proposal | None:
@@ -80,7 +82,7 @@ class ScriptedDrafter:
         if guess and self.calls % self.wrong_every == 0:
             i = self.calls % len(guess)
             guess[i] = (guess[i] + 1) % self.vocab
-        return Proposal(tokens=guess, match_len=64, source="script") if guess else None
+        return Proposal(tokens=guess, confidence=0.98, source="script") if guess else None
 
 
 def _matmul_s() -> float:

@@ -1,31 +1,35 @@
 """The drafter interface: every guess source the verify step hosts implements it.
 
-``propose(k)`` offers up to ``k`` tokens (with their distributions ``q`` when they were sampled,
-for exact rejection sampling) and a confidence the gate keys its acceptance estimates on;
-``commit(tokens, pass)`` tells the drafter which tokens the step emitted, with the target's pass
-(its hidden states, for drafters that condition on them), so it can roll its own state back.
+``propose(k)`` offers up to ``k`` tokens, a ``confidence`` the gate keys its acceptance estimates on
+(the drafter's own evidence, in (0, 1): the n-gram drafter's agreement length, a model drafter's
+probability of its first token) and, when the tokens were sampled from distributions, those
+distributions ``q`` for exact rejection sampling. ``commit(tokens, hidden)`` tells the drafter what
+the step emitted, with the target's hidden states at the positions that produced those tokens
+(for drafters that condition on them: the first row produced the first token), so it can roll its
+own state back past what was rejected.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import msgspec
 
+
 class Proposal(msgspec.Struct, frozen=True):
-    """Up to k guessed tokens and why: how many context tokens agreed with the source."""
+    """Up to k guessed tokens, the drafter's confidence in them and where they came from."""
 
     tokens: list[int]
-    match_len: int
-    source: str  # the kind of source: request, workspace, recent, prediction, ...
+    confidence: float  # in (0, 1); what the gate bins its acceptance estimates by
+    source: str  # the kind of source: request, workspace, recent, prediction, mtp, draft
+    q: list[Any] | None = None  # per token, the distribution it was sampled from (None: chosen)
 
 
 class Drafter(Protocol):
-    """Anything that guesses: told every accepted token, asked for up to k guesses."""
+    """Anything that guesses: asked for up to k guesses, told every emitted token."""
 
-    def extend(self, tokens: Sequence[int]) -> None: ...
+    wants_hidden: bool  # whether commit needs the target's hidden states
 
     def propose(self, k: int) -> Proposal | None: ...
 
-
-
+    def commit(self, tokens: Sequence[int], hidden: Any = None) -> None: ...

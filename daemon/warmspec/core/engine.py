@@ -29,6 +29,7 @@ from .types import FinishReason, GenerationStats, PrefixCacheStats, SamplingPara
 
 from . import hybrid
 from .cache import CacheState, Checkpoint, PrefixStore, has_recurrent, layers
+from .target import Pass, Target
 from .drafter import Drafter
 from .ngram import DEFAULT_MIN_N, NgramDrafter, RecentAnswers, Source
 from .gate import CostTable, Gate
@@ -99,11 +100,13 @@ class Run:
 
 
 class Draft(NamedTuple):
-    """Tokens to verify in the next pass, with the evidence behind them and their source."""
+    """Tokens to verify in the next pass, the drafter's confidence, their source and, when they
+    were sampled, their distributions."""
 
     tokens: list[int]
-    match_len: int = 0
+    confidence: float = 0.0
     source: str = ""
+    q: list | None = None
 
 
 NO_DRAFT = Draft([])
@@ -111,14 +114,22 @@ NO_DRAFT = Draft([])
 
 class _Ahead:
     """A one-position pass queued on the device: its input (known once read), its lazy argmax and
-    the checkpoint that undoes it."""
+    the pass itself (to undo it, and its hidden state)."""
 
-    __slots__ = ("fed", "y", "ckpt")
+    __slots__ = ("fed", "y", "pass_")
 
-    def __init__(self, fed: int | None, y: mx.array, ckpt: Checkpoint):
+    def __init__(self, fed: int | None, y: mx.array, pass_: Pass):
         self.fed = fed
         self.y = y
-        self.ckpt = ckpt
+        self.pass_ = pass_
+
+
+class Step(NamedTuple):
+    """What one step emitted, and the target's hidden states at the positions that produced it
+    (row i produced token i; None unless a drafter conditions on them)."""
+
+    tokens: list[int]
+    hidden: mx.array | None = None
 
 
 class Engine:
@@ -155,7 +166,7 @@ class Engine:
         # fused Metal kernel), else restore and replay the accepted tokens.
         self.capture = (recurrent_rollback == "capture" and has_recurrent(self.live.cache)
                         and hybrid.supports(self.model) and hybrid.capture_exact(self.model))
-        self.replays = 0
+        self.target = Target(self.model, capture=self.capture)
         self.gated = gated
         self.cost_cache = cost_cache
         self.observe_costs = observe_costs  # False for replays, whose passes are priced, not timed
@@ -363,6 +374,8 @@ class Engine:
                                    prediction=prediction)
         if drafter is not None:
             self.gate  # measure verify costs now (once), not inside the timed decode
+            if drafter.wants_hidden:
+                self.target.tap_hidden()
         t0 = time.perf_counter()
         eos = self.tokenizer.eos_ids
         self._last_read = None
@@ -372,7 +385,7 @@ class Engine:
             if cancelled is not None and cancelled():
                 run.finish_reason = "cancelled"
                 return
-            for new in passes:
+            for new, hidden in passes:
                 end = next((i for i, t in enumerate(new) if t in eos), None)
                 new = new[: run.budget if end is None else min(end, run.budget)]
                 if end is not None and end <= run.budget:
@@ -384,7 +397,7 @@ class Engine:
                 run.stats.decode_s = time.perf_counter() - t0
                 if new:
                     if drafter is not None:
-                        drafter.extend(new)
+                        drafter.commit(new, None if hidden is None else hidden[: len(new)])
                     answer.extend(new)
                     yield new
                 if run.budget <= 0:
@@ -398,8 +411,8 @@ class Engine:
             self.live.checkpoint()  # the end of the answer: the next turn resends it
             self.recent.add(answer)
 
-    def _decode(self, pending: int, run: Run, drafter: Drafter | None) -> Iterator[list[int]]:
-        """The decode loop: yield the tokens each pass adds, for plain and speculative decoding.
+    def _decode(self, pending: int, run: Run, drafter: Drafter | None) -> Iterator[Step]:
+        """The decode loop: yield what each step emits, for plain and speculative decoding.
 
         While the drafter has nothing the gate will verify, greedy decoding is pipelined as
         mlx-lm's ``generate_step`` is: the next one-position pass is queued on the device before
@@ -418,26 +431,34 @@ class Engine:
                 if ahead is None:
                     draft = self._drafts(drafter, run)
                     if draft.tokens or not pipelined:
-                        new = self._verify(pending, draft, run)
-                        yield new
-                        pending = new[-1]
+                        step = self._verify(pending, draft, run)
+                        yield step
+                        pending = step.tokens[-1]
                         continue
-                    ahead = self._queue(mx.array(pending), pending)
+                    ahead = self._queue(mx.array([pending]), pending)
                 nxt = self._queue(ahead.y, None)  # on the device before ahead's token is read
                 token = self._commit(ahead, run)
                 nxt.fed = token
-                ahead = nxt
-                yield [token]
+                done, ahead = ahead, nxt  # before the yield: the consumer may stop there
+                yield Step([token], self._hidden(done.pass_, 1))
                 pending = token
                 draft = self._drafts(drafter, run)
                 if draft.tokens:  # they start with a guess of the token ahead's pass computes
-                    new = self._verify(ahead, draft, run)
+                    step = self._verify(ahead, draft, run)
                     ahead = None
-                    yield new
-                    pending = new[-1]
+                    yield step
+                    pending = step.tokens[-1]
         finally:
             if ahead is not None:  # the pass queued ahead fed a token past the answer's end
-                ahead.ckpt.rollback(0)
+                self.target.keep(ahead.pass_, 0, self.cache)
+
+    @property
+    def replays(self) -> int:
+        return self.target.replays
+
+    @staticmethod
+    def _hidden(p: Pass, n: int) -> mx.array | None:
+        return None if p.hidden is None else p.hidden[:n]
 
     def _pipelining_pays(self) -> bool:
         """Whether plain steps should run ahead while speculating: where a pipelined step costs
@@ -447,14 +468,14 @@ class Engine:
         context = len(self.cache_tokens)
         return costs.plain(context) < PIPELINE_GAIN * costs.cost(1, context)
 
-    def _queue(self, token: mx.array, fed: int | None) -> "_Ahead":
+    def _queue(self, token: mx.array, fed: int | None) -> _Ahead:
         """Queue a one-position greedy pass on ``token`` (possibly not yet computed)."""
-        ckpt = Checkpoint(self.cache, 1)
-        y = mx.argmax(self.model(token.reshape(1, 1), cache=self.cache)[0, -1])
-        mx.async_eval(y)
-        return _Ahead(fed, y, ckpt)
+        p = self.target.verify(token.reshape(1), self.cache)
+        y = mx.argmax(p.logits[-1])
+        mx.async_eval(y) if p.hidden is None else mx.async_eval(y, p.hidden)
+        return _Ahead(fed, y, p)
 
-    def _commit(self, ahead: "_Ahead", run: Run) -> int:
+    def _commit(self, ahead: _Ahead, run: Run) -> int:
         """Read a queued pass's token: its input now belongs to the cache."""
         token = ahead.y.item()
         now = time.perf_counter()
@@ -467,8 +488,9 @@ class Engine:
         self.live.tokens.append(ahead.fed)
         return token
 
-    def _drafts(self, drafter: Drafter | None, run: Run) -> "Draft":
-        """What to verify after the last emitted token, by the gate (no tokens: a plain step). The drafter's and gate's host time is measured for the gate:
+    def _drafts(self, drafter: Drafter | None, run: Run) -> Draft:
+        """What to verify after the last emitted token, by the gate (no tokens: a plain step).
+        The drafter's and gate's host time is measured for the gate:
         on a device where a step takes milliseconds it is part of what drafting costs."""
         if drafter is None or run.budget <= 1:
             return NO_DRAFT
@@ -479,13 +501,17 @@ class Engine:
         proposal = drafter.propose(min(self.max_draft, run.budget - 1))
         k = 0
         if proposal is not None:
-            k = gate.choose(len(proposal.tokens), proposal.match_len, len(self.cache_tokens))
+            k = gate.choose(len(proposal.tokens), proposal.confidence, len(self.cache_tokens),
+                            source=proposal.source)
             if k == 0:
                 run.stats.gated_steps += 1
         spent = time.perf_counter() - t
         self._proposing_s += spent
         gate.observe_host(spent, drafting=k > 0, context=len(self.cache_tokens))
-        return Draft(proposal.tokens[:k], proposal.match_len, proposal.source) if k else NO_DRAFT
+        if not k:
+            return NO_DRAFT
+        q = proposal.q[:k] if proposal.q is not None else None
+        return Draft(proposal.tokens[:k], proposal.confidence, proposal.source, q)
 
     def _prefill(self, prompt: list[int], stats: GenerationStats,
                  cancelled: Callable[[], bool] | None = None) -> bool:
@@ -542,8 +568,8 @@ class Engine:
             self.live.checkpoint()  # the end of the prompt: where the next turn usually diverges
         return True
 
-    def _verify(self, head: "int | _Ahead", draft: "Draft", run: Run) -> list[int]:
-        """One pass: verify ``head`` + drafts; return the accepted drafts + the next token (no
+    def _verify(self, head: int | _Ahead, draft: Draft, run: Run) -> Step:
+        """One pass: verify ``head`` + drafts; emit the accepted drafts + the next token (no
         drafts: a plain step).
 
         ``head`` is the last emitted token, or a pass queued ahead whose token is not read yet:
@@ -551,63 +577,59 @@ class Engine:
         goes straight from one pass to the next; a wrong guess rejects every draft, and the
         model's token after the real one is still right.
         """
+        drafts, q = draft.tokens, draft.q
         guess = None
-        drafts, match_len = draft.tokens, draft.match_len
         if isinstance(head, _Ahead):
             guess, drafts = drafts[0], drafts[1:]
+            q = q[1:] if q is not None else None
             first = head.y.reshape(1)
             x = mx.concatenate([first, mx.array(drafts, dtype=first.dtype)]) if drafts else first
         else:
             self._last_read = None
             x = mx.array([head, *drafts])
-        ckpt = Checkpoint(self.cache, 1 + len(drafts)) if drafts or guess is not None else None
         t = time.perf_counter()
-        if ckpt is not None and self.capture:
-            logits, ckpt.tape = hybrid.verify_forward(self.model, x[None], self.cache)
-            logits = logits[0]
-        else:
-            logits = self.model(x[None], cache=self.cache)[0]
+        p = self.target.verify(x, self.cache)
         params = run.params
         if guess is not None:
             pending = self._commit(head, run)
-            t_commit = time.perf_counter()
+            t = time.perf_counter()  # a pass queued ahead is timed from its head's read
         else:
             pending = head
+        hit = guess is None or guess == pending
         if params.greedy:
-            targets = mx.argmax(logits, axis=-1).tolist()
+            targets = mx.argmax(p.logits, axis=-1).tolist()
             n = 0
-            if guess is None or guess == pending:
+            if hit:
                 while n < len(drafts) and drafts[n] == targets[n]:
                     n += 1
             nxt = targets[n]
         else:
-            rows = np.array(logits.astype(mx.float32))
+            rows = np.array(p.logits.astype(mx.float32))
             if drafts:
-                n, nxt = verify_sampled(rows, drafts, params, run.rng)
+                n, nxt = verify_sampled(rows, drafts, params, run.rng, q)
             else:
                 n, nxt = 0, sample(distribution(rows[0], params), run.rng)
         self._last_read = None
         run.stats.passes += 1
         inputs = [pending, *drafts]
-        if ckpt is not None:
-            if not ckpt.rollback(n + 1):
-                self.model(mx.array([inputs[: n + 1]]), cache=self.cache)
-                mx.eval([c.state for c in self.cache])
-                run.stats.passes += 1
-                self.replays += 1
-            hit = guess is None or guess == pending
+        run.stats.passes += self.target.keep(p, n + 1, self.cache, inputs[: n + 1])
+        if drafts or guess is not None:
             drafted = len(drafts) + (guess is not None)
             accepted = (n + (guess is not None)) if hit else 0
-            self.gate.observe(match_len, drafted, accepted)
+            self.gate.observe(draft.confidence, drafted, accepted, source=draft.source)
             run.stats.count(draft.source, drafted, accepted)
             run.stats.draft_passes += 1
             run.stats.drafted += drafted
             run.stats.accepted += accepted
         if self._costs is not None and self.observe_costs:
             # the whole step, rollback and bookkeeping included: what drafting costs over a plain
-            # step (a pass queued ahead is timed from its head's read)
-            start = t if guess is None else t_commit
-            self._costs.observe(1 + len(drafts), len(self.cache_tokens), time.perf_counter() - start)
+            # step
+            self._costs.observe(1 + len(drafts), len(self.cache_tokens), time.perf_counter() - t)
         self.live.tokens.extend(inputs[: n + 1])
         out = [*drafts[:n], nxt]
-        return out if guess is None else [pending, *out]
+        hidden = self._hidden(p, n + 1)
+        if guess is None:
+            return Step(out, hidden)
+        if hidden is not None:
+            hidden = mx.concatenate([head.pass_.hidden[:1], hidden])
+        return Step([pending, *out], hidden)

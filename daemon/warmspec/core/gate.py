@@ -36,7 +36,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-MATCH_BINS = (1, 2, 3, 5, 9, 17, 33)  # lower edges of match-length bins (1-2: re-alignments)
+# Lower edges of the confidence bins acceptance is estimated in, per source. For the n-gram
+# drafter they are match lengths 1, 2 (re-alignments), 3, 5, 9, 17 and 33 (agreement_confidence);
+# a model drafter's confidence is its probability of its first token.
+CONFIDENCE_BINS = (0.0, 0.5, 2 / 3, 0.75, 5 / 6, 0.9, 17 / 18, 33 / 34)
 PRIOR_ACCEPTANCE = 0.5
 DECAY = 0.9  # weight of history per observed draft token (~10-token memory)
 PROBE_EVERY = 16  # a gated-off bin is retried with one draft token after this many refusals
@@ -196,24 +199,27 @@ class Gate:
         self.costs = costs
         self.max_draft = max_draft
         self.enabled = enabled
-        self.rate = {b: PRIOR_ACCEPTANCE for b in MATCH_BINS}
-        self.refusals = {b: 0 for b in MATCH_BINS}
+        self.rate: dict[tuple[str, int], float] = {}  # (source, bin) -> per-token acceptance
+        self.refusals: dict[tuple[str, int], int] = {}
         self.host_s = 0.0  # proposing + gating, per step (decayed mean)
         self.skip = 0  # steps left to pass without proposing
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
 
     @staticmethod
-    def bin(match_len: int) -> int:
-        return max(b for b in MATCH_BINS if b <= max(match_len, MATCH_BINS[0]))
+    def bin(confidence: float, source: str = "") -> tuple[str, int]:
+        return source, max(i for i, edge in enumerate(CONFIDENCE_BINS) if confidence >= edge - 1e-9)
 
-    def choose(self, available: int, match_len: int, context: int = 0) -> int:
-        """Drafts to verify out of ``available`` proposed after a match of ``match_len`` tokens,
-        with ``context`` tokens in the cache."""
+    def acceptance(self, confidence: float, source: str = "") -> float:
+        return self.rate.get(self.bin(confidence, source), PRIOR_ACCEPTANCE)
+
+    def choose(self, available: int, confidence: float, context: int = 0, *, source: str = "") -> int:
+        """Drafts to verify out of ``available`` proposed with ``confidence`` by ``source``, with
+        ``context`` tokens in the cache."""
         k_max = min(available, self.max_draft)
         if k_max <= 0 or not self.enabled:
             return max(k_max, 0)
-        b = self.bin(match_len)
-        a = self.rate[b]
+        b = self.bin(confidence, source)
+        a = self.rate.get(b, PRIOR_ACCEPTANCE)
         plain = 1.0 / self.costs.plain(context)
         best_k, best = 0, plain * MARGIN
         expected, term = 1.0, 1.0
@@ -224,18 +230,18 @@ class Gate:
             if value > best:
                 best_k, best = k, value
         if best_k == 0:
-            self.refusals[b] += 1
+            self.refusals[b] = self.refusals.get(b, 0) + 1
             if self.refusals[b] >= PROBE_EVERY:  # keep the estimate alive where it is gated off
                 self.refusals[b] = 0
                 return 1
         return best_k
 
-    def observe(self, match_len: int, drafted: int, accepted: int) -> None:
+    def observe(self, confidence: float, drafted: int, accepted: int, *, source: str = "") -> None:
         """Update the bin's rate: ``accepted`` successes then (if short) one failure."""
         if drafted <= 0:
             return
-        b = self.bin(match_len)
-        r = self.rate[b]
+        b = self.bin(confidence, source)
+        r = self.rate.get(b, PRIOR_ACCEPTANCE)
         for i in range(drafted if accepted == drafted else accepted + 1):
             r = DECAY * r + (1 - DECAY) * (1.0 if i < accepted else 0.0)
         self.rate[b] = r

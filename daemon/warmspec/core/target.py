@@ -1,0 +1,90 @@
+"""The target pass: the model verifying one token and the drafts after it, on its cache.
+
+``verify(inputs, cache) -> Pass`` runs one forward pass and returns the logits of every input
+position, the hidden states a drafter conditions on (the residual stream before the final norm,
+when asked for) and the checkpoint that rolls every cache kind back. ``keep(pass, n)`` keeps the
+first ``n`` positions; where a cache kind cannot simply drop the rest (recurrent state without
+captured per-position states) it restores and replays the kept inputs itself, so the engine never
+sees which kind of cache it runs on. Two implementations, chosen at construction: the model's own
+forward, and ``hybrid.verify_forward`` for GatedDeltaNet hybrids, which captures the recurrent
+state after every position so that a rejection costs no extra pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import hybrid
+from .cache import Checkpoint
+
+
+class Pass(NamedTuple):
+    logits: mx.array  # (positions, vocab), lazy
+    hidden: mx.array | None  # (positions, hidden size): the pre-norm residual stream, when tapped
+    checkpoint: Checkpoint
+    inputs: mx.array  # (positions,)
+
+
+class _Tap(nn.Module):
+    """Wraps the model's final norm to keep its input: the residual stream drafters condition on."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.last: mx.array | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.last = x
+        return self.norm(x)
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    lm = getattr(model, "language_model", model)
+    return getattr(lm, "model", lm)
+
+
+class Target:
+    """The model as the decode step sees it. ``capture``: verify hybrids through the capturing
+    pass. ``tap_hidden()`` makes passes carry hidden states (once; for model drafters)."""
+
+    def __init__(self, model: nn.Module, *, capture: bool = False):
+        self.model = model
+        self.capture = capture
+        self.replays = 0  # extra passes spent restoring recurrent state after a rejection
+        self._tap: _Tap | None = None
+
+    def tap_hidden(self) -> None:
+        inner = _inner(self.model)
+        if self._tap is None:
+            if isinstance(inner.norm, _Tap):
+                self._tap = inner.norm
+            else:
+                self._tap = inner.norm = _Tap(inner.norm)
+
+    @property
+    def hidden_size(self) -> int:
+        return _inner(self.model).norm.weight.shape[-1] if self._tap is None else self._tap.norm.weight.shape[-1]
+
+    def verify(self, inputs: mx.array, cache: list[Any]) -> Pass:
+        """One pass over ``inputs`` (token ids, possibly not computed yet)."""
+        ckpt = Checkpoint(cache, inputs.shape[0])
+        if self.capture and inputs.shape[0] > 1:
+            logits, ckpt.tape = hybrid.verify_forward(self.model, inputs[None], cache)
+        else:
+            logits = self.model(inputs[None], cache=cache)
+        hidden = self._tap.last[0] if self._tap is not None else None
+        return Pass(logits[0], hidden, ckpt, inputs)
+
+    def keep(self, p: Pass, n: int, cache: list[Any], kept: Sequence[int] | None = None) -> int:
+        """Keep the first ``n`` positions of ``p``; the extra passes it took (0 or 1).
+        ``kept``: those positions' token ids, if already read back."""
+        if p.checkpoint.rollback(n) or n == 0:
+            return 0
+        ids = mx.array(list(kept)) if kept is not None else p.inputs[:n]
+        self.model(ids[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        self.replays += 1
+        return 1
