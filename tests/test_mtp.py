@@ -27,6 +27,7 @@ import dataclasses
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -98,12 +99,14 @@ def hidden_head_tensors(lm) -> dict[str, mx.array]:
 
 
 def write_checkpoint(path, lm, arch: str, head: dict[str, mx.array] | None, *, declare: int = 1,
-                     shards: int = 1):
+                     shards: int = 1, quantization: dict | None = None):
     """A checkpoint directory in the Qwen3.5 layout: config.json declaring the MTP layers, the
     target's weights and the head's ``mtp.*`` tensors (norms zero-centred for qwen3_5)."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(json.dumps(tiny.CONFIGS[arch]))
     (cfg.get("text_config") or cfg)["mtp_num_hidden_layers"] = declare
+    if quantization:
+        cfg["quantization"] = quantization
     (path / "config.json").write_text(json.dumps(cfg))
     centred = arch in mtp.ZERO_CENTRED_NORMS
     tensors = {f"model.{k}": v for k, v in tree_flatten(lm.model.parameters())}
@@ -246,6 +249,24 @@ def test_head_cache_rolls_back_to_the_committed_pairs(arch):
     np.testing.assert_allclose(np.array(pieces[0]), np.array(whole[0, 4:]), atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_quantized_target_and_head(tmp_path, arch):
+    """The GPU path: a quantized target (QuantizedEmbedding.as_linear as the tied output head) and
+    a head whose layer tensors are quantized too, built from the checkpoint's quantization."""
+    lm = tiny.build(arch)
+    make_position_wise(lm)
+    nn.quantize(lm.model, group_size=32, bits=8)
+    lm.quantized = True
+    path = write_checkpoint(tmp_path / "ckpt", lm, arch, copy_head_tensors(lm),
+                            quantization={"group_size": 32, "bits": 8})
+    head = mtp.load_mtp(path, lm)
+    assert isinstance(head.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    assert agreement(head, lm, random_tokens(200), shift=1) == 1.0
+    mtp.save_mtp(head, tmp_path / "q.safetensors")
+    again = mtp.load_mtp(tmp_path / "q.safetensors", lm)
+    assert agreement(again, lm, random_tokens(200), shift=1) == 1.0
+
+
 # -- attaching without a second copy ----------------------------------------------------------------
 
 def test_head_holds_references_not_copies(tmp_path):
@@ -309,6 +330,21 @@ def test_head_for_another_target_is_refused(tmp_path):
     other = tiny.build("llama")  # different layer layout (no q_norm / k_norm)
     with pytest.raises(mtp.MTPError):
         mtp.load_mtp(path, other)
+
+
+def test_family_with_logits_beyond_the_head_is_refused(tmp_path):
+    """A target that caps its logits after the output head (as Gemma 2 does): the head's
+    ``lm_head(norm(x))`` would not be the target's scoring, so attaching is refused."""
+    lm = tiny.build("llama")
+    path = write_checkpoint(tmp_path / "c", lm, "llama", copy_head_tensors(lm))
+
+    class Capped(type(lm.model)):
+        def __call__(self, inputs, cache=None, **kw):
+            return 3.0 * mx.tanh(super().__call__(inputs, cache, **kw) / 3.0)
+
+    lm.model.__class__ = Capped
+    with pytest.raises(mtp.MTPError, match="not lm_head"):
+        mtp.load_mtp(path, lm)
 
 
 # -- standalone heads -------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ What the sources say, and what this module therefore does:
   hands the drafter that same tensor (``target_hidden_states = hidden_states[:num_scheduled_tokens]``),
   for DeepSeek-V3 as for Qwen. llama.cpp ``qwen35.cpp`` sets ``res->t_h_nextn`` after
   ``build_norm(cur, output_norm_w, ...)``; llama.cpp PR #24025 ("qwen35: use post-norm hidden state
-  for MTP") moved there from the pre-norm state and raised acceptance (aggregate 0.686 before).
+  for MTP") moved there from the pre-norm state, measured on Qwen3.6 (e.g. code_python acceptance
+  0.807 -> 0.834; aggregate 0.686 before).
   Megatron-LM trains the head on the decoder output after the block's ``final_layernorm``
   (``transformer_block.py:755-756``, handed to ``self.mtp`` at ``gpt_model.py:712``).
   ``forward_hidden`` below returns that tensor; the target pass must hand the head the same one.
@@ -136,6 +137,17 @@ def target_parts(model: nn.Module) -> TargetParts:
     if template is None:
         raise MTPError(f"{type(model).__module__}: no full-attention layer for the head to copy")
     return TargetParts(model=model, text=text, inner=inner, args=text.args, template=template)
+
+
+def check_parts(parts: TargetParts) -> None:
+    """The head scores its state with ``parts.logits``; that must be what the target's own forward
+    does after its final norm (families that scale or cap logits after the head would not be)."""
+    probe = mx.array([[0, 1, 2]])
+    want = parts.model(probe)
+    got = parts.logits(parts.inner(probe))
+    if not mx.allclose(got, want, rtol=1e-3, atol=1e-3 * float(mx.abs(want).max())).item():
+        raise MTPError(f"{type(parts.model).__module__}: its logits are not lm_head(final norm); "
+                       "an MTP head cannot be attached to this family")
 
 
 def forward_hidden(model: nn.Module, inputs: mx.array, cache: Any = None) -> tuple[mx.array, mx.array]:
@@ -381,6 +393,7 @@ def build(target: LoadedModel, weights: dict[str, mx.array], recipe: Recipe, *, 
         raise MTPError(f"{source}: {recipe.num_layers} MTP layers; only single-layer heads are "
                        "supported (Qwen3.5/3.6 and DeepSeek-V3 ship one)")
     parts = target_parts(target.model)
+    check_parts(parts)
     head = MTPHead(parts, own_norm=recipe.own_norm)
     weights = _prepare(weights, recipe)
     if any(k.endswith(".scales") for k in weights):
@@ -438,4 +451,8 @@ def save_mtp(head: MTPHead, path: Path | str, **meta: Any) -> None:
     recipe = {"format": FORMAT, "version": 1, "num_layers": len(head.layers), "norm_offset": 0.0,
               "hidden": "final_norm", "final_norm": "own" if "norm" in head else "target",
               "hidden_size": head.parts.hidden_size, **meta}
+    quantized = [m for _, m in head.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    if quantized:
+        q = quantized[0]
+        recipe["quantization"] = {"group_size": q.group_size, "bits": q.bits, "mode": q.mode}
     path.with_suffix(".json").write_text(json.dumps(recipe, indent=1) + "\n")
