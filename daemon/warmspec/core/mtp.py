@@ -120,18 +120,27 @@ class TargetParts:
         return int(self.args.hidden_size)
 
     def logits(self, h: mx.array) -> mx.array:
-        head = getattr(self.text, "lm_head", None)
-        return head(h) if head is not None else self.embed.as_linear(h)
+        return _score(self.text, self.inner, h)
+
+
+def _split(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    text = getattr(model, "language_model", model)
+    inner = getattr(text, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+        raise MTPError(f"{type(model).__module__}: no embed_tokens/layers/norm to attach a head to")
+    return text, inner
+
+
+def _score(text: nn.Module, inner: nn.Module, h: mx.array) -> mx.array:
+    head = getattr(text, "lm_head", None)
+    return head(h) if head is not None else inner.embed_tokens.as_linear(h)
 
 
 def target_parts(model: nn.Module) -> TargetParts:
     """Find the embedding, layers, final norm and output head of an mlx-lm model; the template layer
     is the last one whose cache is a plain trimmable KV cache (Qwen3.5: a full-attention layer;
     Gemma 3: a global layer), so the head's own cache rolls back by trimming."""
-    text = getattr(model, "language_model", model)
-    inner = getattr(text, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-        raise MTPError(f"{type(model).__module__}: no embed_tokens/layers/norm to attach a head to")
+    text, inner = _split(model)
     kinds = make_prompt_cache(model)
     template = max((i for i, c in enumerate(kinds) if trimmable_kind(c)), default=None)
     if template is None:
@@ -153,9 +162,9 @@ def check_parts(parts: TargetParts) -> None:
 def forward_hidden(model: nn.Module, inputs: mx.array, cache: Any = None) -> tuple[mx.array, mx.array]:
     """The target's logits and the hidden state an MTP head conditions on: the final-norm output,
     i.e. exactly what the output head scores (mlx-lm's inner models end in ``self.norm``)."""
-    parts = target_parts(model)
-    h = parts.inner(inputs, cache=cache)
-    return parts.logits(h), h
+    text, inner = _split(model)
+    h = inner(inputs, cache=cache)
+    return _score(text, inner, h), h
 
 
 # -- the head ---------------------------------------------------------------------------------------
