@@ -39,7 +39,7 @@ def test_proposals_are_the_draft_models_greedy_continuation(arch):
     target, draft_lm = tiny.build(arch, seed=0), tiny.build(arch, seed=1)
     draft = DraftModel(draft_lm, target)
     context = tokens(20, 5)
-    got, q = draft.propose(context, 6)
+    got, q, _ = draft.propose(context, 6)
     want, _ = greedy_continuation(draft_lm.model, context, 6)
     assert got == want and q is None
 
@@ -55,7 +55,7 @@ def test_rollback_keeps_the_cache_equal_to_a_fresh_one(arch):
     rng = np.random.default_rng(11)
     context = tokens(10, 6)
     for step in range(16):
-        drafts, _ = draft.propose(context, 4)
+        drafts, _, _ = draft.propose(context, 4)
         accepted = int(rng.integers(0, 5))
         bonus = drafts[accepted] if accepted < 4 and step % 3 == 0 else int(rng.integers(0, tiny.VOCAB))
         context = context + drafts[:accepted] + [bonus]
@@ -68,7 +68,7 @@ def test_rollback_keeps_the_cache_equal_to_a_fresh_one(arch):
 
 
 def check_fresh(draft: DraftModel, draft_lm, context: list[int]) -> None:
-    got, _ = draft.propose(context, 3)
+    got, _, _ = draft.propose(context, 3)
     row = draft._spec[0][1]  # the logits after the context's last token
     want, want_row = greedy_continuation(draft_lm.model, context, 3)
     assert got == want
@@ -80,7 +80,7 @@ def test_sampled_proposals_use_the_targets_processing():
     draft = DraftModel(draft_lm, target)
     params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02)
     context = tokens(16, 8)
-    got, qs = draft.propose(context, 4, params, np.random.default_rng(3))
+    got, qs, _ = draft.propose(context, 4, params, np.random.default_rng(3))
     # the same draws by hand: process each row as the target would, sample, feed
     cache, rng, want = make_prompt_cache(draft_lm.model), np.random.default_rng(3), []
     row = draft_lm.model(mx.array([context]), cache=cache)[0, -1]
@@ -96,7 +96,7 @@ def test_q_rows_have_the_targets_width():
     """A draft model padded to more rows than the target: rows are cut to the target's ids."""
     target, draft_lm = tiny.build("llama", seed=0), tiny.build("llama", seed=1, vocab=320)
     draft = DraftModel(draft_lm, target)
-    got, qs = draft.propose(tokens(8, 9), 3, SamplingParams(temperature=1.0), np.random.default_rng(0))
+    got, qs, _ = draft.propose(tokens(8, 9), 3, SamplingParams(temperature=1.0), np.random.default_rng(0))
     assert all(q.shape == (tiny.VOCAB,) for q in qs) and all(t < tiny.VOCAB for t in got)
 
 

@@ -201,7 +201,7 @@ def test_drafts_at_depth_follow_the_target_greedy_continuation(tmp_path, arch):
     proposed = accepted = 0
     while len(context) < 60:
         new = slice(fed, len(context) - 1)
-        drafts, q = head.draft(hidden[:, new], mx.array([context[new.start + 1:]]), cache, 4)
+        drafts, q, _ = head.draft(hidden[:, new], mx.array([context[new.start + 1:]]), cache, 4)
         fed = len(context) - 1
         assert q is None and head.offset(cache) == fed
         logits, hidden = mtp.forward_hidden(lm.model, mx.array([context + drafts]))
@@ -220,7 +220,7 @@ def test_sampled_drafts_carry_the_processed_distribution():
     tokens = random_tokens(12)
     _, hidden = mtp.forward_hidden(lm.model, mx.array([tokens]))
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05)
-    drafts, qs = head.draft(hidden[:, :-1], mx.array([tokens[1:]]), head.make_cache(), 3, params,
+    drafts, qs, _ = head.draft(hidden[:, :-1], mx.array([tokens[1:]]), head.make_cache(), 3, params,
                             np.random.default_rng(0))
     assert len(drafts) == len(qs) == 3
     # the first q is the target's processing of the head's logits at the last committed pair

@@ -27,11 +27,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from warmspec_protocol import SamplingParams
+from .types import SamplingParams
 
-from ..cache import CacheState, Checkpoint
+from .cache import CacheState, Checkpoint
 from ..model import LoadedModel, ModelError, load
-from ..sampling import distribution, make_rng, sample
+from .sampling import distribution, make_rng, sample
 from ..tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512      # positions per prefill pass: bounds the activations of a long first context
@@ -148,7 +148,7 @@ class DraftModel:
         return row
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams | None = None,
-                rng: np.random.Generator | None = None) -> tuple[list[int], list[np.ndarray] | None]:
+                rng: np.random.Generator | None = None) -> tuple[list[int], list[np.ndarray] | None, float]:
         """``k`` tokens continuing ``context``: greedy (``params`` None or greedy), else sampled from
         ``distribution(logits, params)``, whose rows are returned as the drafts' ``q``. The cache is
         left holding ``context`` plus the first k-1 drafts; the next ``commit``/``propose`` keeps
@@ -160,17 +160,24 @@ class DraftModel:
         row = self._row(self._last)
         tokens: list[int] = []
         qs: list[np.ndarray] = []
+        first = 0.0
         for j in range(k):
             if greedy:
-                tok = int(mx.argmax(row).item())
+                best = mx.argmax(row)
+                if j == 0:  # the draft model's probability of its first token: the gate's confidence
+                    top = mx.softmax(row.astype(mx.float32))[best]
+                    mx.eval(best, top)
+                    first = top.item()
+                tok = int(best.item())
             else:
                 q = distribution(np.array(row.astype(mx.float32)), params)
                 tok = sample(q, rng)
                 qs.append(q)
+                first = first or float(q[tok])
             tokens.append(tok)
             if j + 1 < k:
                 self._spec.append((Checkpoint(self.state.cache, 1), self._last))
                 self._last = self.model(mx.array([[tok]]), cache=self.state.cache)[0, -1]
                 self.state.tokens.append(tok)
                 row = self._row(self._last)
-        return tokens, None if greedy else qs
+        return tokens, None if greedy else qs, first

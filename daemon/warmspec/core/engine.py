@@ -18,7 +18,7 @@ import logging
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
 import msgspec
@@ -30,6 +30,11 @@ from .types import FinishReason, GenerationStats, PrefixCacheStats, SamplingPara
 from . import hybrid
 from .cache import CacheState, Checkpoint, PrefixStore, has_recurrent, layers
 from .target import Pass, Target
+from .drafters import DraftModelDrafter, MtpDrafter
+
+if TYPE_CHECKING:
+    from .draft_model import DraftModel
+    from .mtp import MTPHead
 from .drafter import Drafter
 from .ngram import DEFAULT_MIN_N, NgramDrafter, RecentAnswers, Source
 from .gate import CostTable, Gate
@@ -54,6 +59,7 @@ KEEP_TAIL = 32
 # Speculative decoding runs plain steps ahead (pipelined) where that makes them at least this much
 # cheaper than a synchronous pass.
 PIPELINE_GAIN = 0.95
+DRAFTING = ("ngram", "mtp", "draft")
 
 
 def default_cost_cache(lm: LoadedModel, max_draft: int = MAX_DRAFT) -> Path:
@@ -148,6 +154,9 @@ class Engine:
         prefix_budget_bytes: int | None = None,
         checkpoint_every: int = CHECKPOINT_EVERY,
         cost_cache: Path | None = None,
+        mtp: "MTPHead | None" = None,
+        draft_model: "DraftModel | None" = None,
+        drafting: str | None = None,
     ):
         self.lm = lm
         self.model = lm.model
@@ -167,6 +176,15 @@ class Engine:
         self.capture = (recurrent_rollback == "capture" and has_recurrent(self.live.cache)
                         and hybrid.supports(self.model) and hybrid.capture_exact(self.model))
         self.target = Target(self.model, capture=self.capture)
+        # Which guess source drafts: "ngram" (the conversation, files read, recent answers),
+        # "mtp" (the model's MTP head) or "draft" (a draft model); by default the model drafter
+        # when one is loaded.
+        self.mtp = mtp
+        self.draft_model = draft_model
+        self.drafting = drafting or ("mtp" if mtp else "draft" if draft_model else "ngram")
+        if self.drafting not in DRAFTING or (self.drafting == "mtp" and mtp is None) or \
+                (self.drafting == "draft" and draft_model is None):
+            raise ValueError(f"drafting {self.drafting!r} needs its model: one of {DRAFTING}")
         self.gated = gated
         self.cost_cache = cost_cache
         self.observe_costs = observe_costs  # False for replays, whose passes are priced, not timed
@@ -370,8 +388,7 @@ class Engine:
             run.finish_reason = "cancelled"
             return
         if drafter is None and speculate:
-            drafter = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
-                                   prediction=prediction)
+            drafter = self._drafter(prompt, sources, prediction, run.params)
         if drafter is not None:
             self.gate  # measure verify costs now (once), not inside the timed decode
             if drafter.wants_hidden:
@@ -451,6 +468,16 @@ class Engine:
         finally:
             if ahead is not None:  # the pass queued ahead fed a token past the answer's end
                 self.target.keep(ahead.pass_, 0, self.cache)
+
+    def _drafter(self, prompt: list[int], sources: Sequence[Source], prediction: Sequence[int],
+                 params: SamplingParams) -> Drafter:
+        """This request's guess source (see ``drafting``)."""
+        if self.drafting == "mtp":
+            return MtpDrafter(self.mtp, params)
+        if self.drafting == "draft":
+            return DraftModelDrafter(self.draft_model, prompt, params)
+        return NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
+                            prediction=prediction)
 
     @property
     def replays(self) -> int:

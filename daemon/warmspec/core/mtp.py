@@ -79,11 +79,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 
-from warmspec_protocol import SamplingParams
+from .types import SamplingParams
 
-from ..cache import trimmable_kind
+from .cache import trimmable_kind
 from ..model import LoadedModel
-from ..sampling import distribution, sample
+from .sampling import distribution, sample
 
 FORMAT = "warmspec-mtp-head"
 ZERO_CENTRED_NORMS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -229,7 +229,7 @@ class MTPHead(nn.Module):
 
     def draft(self, hidden: mx.array, tokens: mx.array, cache: list[Any], k: int,
               params: SamplingParams | None = None, rng: np.random.Generator | None = None
-              ) -> tuple[list[int], list[np.ndarray] | None]:
+              ) -> tuple[list[int], list[np.ndarray] | None, float]:
         """Consume the newly committed pairs, then propose ``k`` tokens.
 
         ``hidden`` (1, L, D) / ``tokens`` (1, L), L >= 1: the target's hidden states of the positions
@@ -247,19 +247,26 @@ class MTPHead(nn.Module):
         greedy = params is None or params.greedy
         drafted: list[int] = []
         qs: list[np.ndarray] = []
+        first = 0.0
         for j in range(k):
             if greedy:
-                tok = int(mx.argmax(row).item())
+                best = mx.argmax(row)
+                if j == 0:  # the head's probability of its first token: the gate's confidence
+                    top = mx.softmax(row.astype(mx.float32))[best]
+                    mx.eval(best, top)
+                    first = top.item()
+                tok = int(best.item())
             else:
                 q = distribution(np.array(row.astype(mx.float32)), params)
                 tok = sample(q, rng)
                 qs.append(q)
+                first = first or float(q[tok])
             drafted.append(tok)
             if j + 1 < k:
                 logits, g = self(g, mx.array([[tok]]), cache)
                 row = logits[0, -1]
         self.rewind(cache, keep)
-        return drafted, None if greedy else qs
+        return drafted, None if greedy else qs, first
 
 
 # -- loading ----------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The target pass: the model verifying one token and the drafts after it, on its cache.
 
 ``verify(inputs, cache) -> Pass`` runs one forward pass and returns the logits of every input
-position, the hidden states a drafter conditions on (the residual stream before the final norm,
-when asked for) and the checkpoint that rolls every cache kind back. ``keep(pass, n)`` keeps the
+position, the hidden states a drafter conditions on (the final norm's output -- what the output head
+scores, and what MTP heads are trained on: see ``mtp.py`` -- when asked for) and the checkpoint that rolls every cache kind back. ``keep(pass, n)`` keeps the
 first ``n`` positions; where a cache kind cannot simply drop the rest (recurrent state without
 captured per-position states) it restores and replays the kept inputs itself, so the engine never
 sees which kind of cache it runs on. Two implementations, chosen at construction: the model's own
@@ -23,13 +23,13 @@ from .cache import Checkpoint
 
 class Pass(NamedTuple):
     logits: mx.array  # (positions, vocab), lazy
-    hidden: mx.array | None  # (positions, hidden size): the pre-norm residual stream, when tapped
+    hidden: mx.array | None  # (positions, hidden size): the final norm's output, when tapped
     checkpoint: Checkpoint
     inputs: mx.array  # (positions,)
 
 
 class _Tap(nn.Module):
-    """Wraps the model's final norm to keep its input: the residual stream drafters condition on."""
+    """Wraps the model's final norm to keep its output: the hidden state drafters condition on."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
@@ -37,8 +37,8 @@ class _Tap(nn.Module):
         self.last: mx.array | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        self.last = x
-        return self.norm(x)
+        self.last = self.norm(x)
+        return self.last
 
 
 def _inner(model: nn.Module) -> nn.Module:

@@ -1,0 +1,128 @@
+"""Model drafters in the one verify step: an MTP head (Qwen3.5 checkpoint layout, loaded through the
+real loader) and a draft model. Greedy output is token-identical to plain decoding; a head built to
+copy the target's own choice is accepted at every depth (the plumbing is right end to end, in the
+engine, not only in the head's own test); sampled drafts with their q keep sampling exact."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tiny
+from test_mtp import copy_head_tensors, make_position_wise, random_tokens, write_checkpoint
+from warmspec.core import CostTable, Engine, GenerationStats, Run, SamplingParams
+from warmspec.core.draft_model import DraftModel
+from warmspec.core.mtp import load_mtp
+
+FREE = CostTable({0: {1: 1.0, 2: 1.0, 8: 1.0, 65: 1.0}})  # verifying is free: the gate always drafts
+
+
+def decode(engine, prompt, n, params=SamplingParams(), speculate=True):
+    run = Run(params, n, GenerationStats())
+    out = [t for new in engine.generate_tokens(prompt, run, speculate=speculate) for t in new]
+    return out, run.stats
+
+
+def engine(lm, **kw):
+    return Engine(lm, costs=CostTable(FREE.points), gated=False, observe_costs=False, max_draft=6, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
+def test_mtp_head_greedy_exact(tmp_path, arch):
+    """A head of random weights (written as a Qwen3.5 checkpoint): mostly wrong guesses, plain's
+    tokens all the same, on attention and hybrid targets."""
+    lm = tiny.build(arch)
+    rng = np.random.default_rng(0)
+    head_tensors = {k: mx.array(rng.standard_normal(v.shape).astype(np.float32) * 0.2) if v.ndim == 2 else v
+                    for k, v in copy_head_tensors(lm).items()}
+    head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, arch, head_tensors), lm)
+    prompt = random_tokens(20, seed=5)
+    plain, _ = decode(Engine(lm, speculate=False), prompt, 50, speculate=False)
+    e = engine(lm, mtp=head)
+    assert e.drafting == "mtp"
+    spec, stats = decode(e, prompt, 50)
+    assert spec == plain
+    assert stats.sources["mtp"].drafted > 0 and set(stats.sources) == {"mtp"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
+def test_a_head_copying_the_target_is_accepted_at_every_depth(tmp_path, arch):
+    lm = tiny.build(arch)
+    make_position_wise(lm)
+    head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, arch, copy_head_tensors(lm)), lm)
+    prompt = random_tokens(16, seed=9)
+    plain, _ = decode(Engine(lm, speculate=False), prompt, 60, speculate=False)
+    spec, stats = decode(engine(lm, mtp=head), prompt, 60)
+    assert spec == plain
+    assert stats.acceptance > 0.98 and stats.tokens_per_pass > 5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "gemma3_text"])
+def test_draft_model_greedy_exact(arch):
+    """Another random model of the same vocabulary drafts (mostly wrong); the target itself as its
+    own draft model is accepted every time. Both give plain's tokens."""
+    lm = tiny.build(arch)
+    prompt = random_tokens(20, seed=2)
+    plain, _ = decode(Engine(lm, speculate=False), prompt, 50, speculate=False)
+    other = DraftModel(tiny.build(arch, seed=7), lm)
+    spec, stats = decode(engine(lm, draft_model=other), prompt, 50)
+    assert spec == plain and stats.sources["draft"].drafted > 0
+    same = DraftModel(tiny.build(arch), lm)
+    spec, stats = decode(engine(lm, draft_model=same), prompt, 50)
+    assert spec == plain and stats.acceptance == 1.0 and stats.tokens_per_pass > 5
+
+
+class WrongQ:
+    """Negative control: a draft model's samples, reported with a wrong distribution q."""
+
+    wants_hidden = False
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def commit(self, tokens, hidden=None):
+        self.inner.commit(tokens, hidden)
+
+    def propose(self, k):
+        from warmspec.core.drafter import Proposal
+
+        p = self.inner.propose(k)
+        flat = [np.full_like(q, 1.0 / q.size) for q in p.q]
+        return Proposal(tokens=p.tokens, confidence=p.confidence, source=p.source, q=flat)
+
+
+def sampled_with(lm, draft_lm, wrong_q=False):
+    """Counts of the first 3 tokens over RUNS seeds, drafted by ``draft_lm`` with their q."""
+    from test_sampling import PARAMS, PROMPT, RUNS, V
+    from warmspec.core.drafters import DraftModelDrafter
+
+    e = Engine(lm, costs=CostTable({0: {1: 1.0, 4: 1.0}}), gated=False, observe_costs=False)
+    dm = DraftModel(draft_lm, lm)
+    counts = np.zeros((V,) * 3)
+    both = 0
+    for seed in range(RUNS):
+        params = SamplingParams(**{**{f: getattr(PARAMS, f) for f in PARAMS.__struct_fields__}, "seed": seed})
+        run = Run(params, 3, GenerationStats())
+        drafter = DraftModelDrafter(dm, PROMPT, params)
+        out = [t for new in e.generate_tokens(PROMPT, run, drafter=WrongQ(drafter) if wrong_q else drafter)
+               for t in new]
+        counts[tuple(out)] += 1
+        both += run.stats.accepted == 2
+    return counts, both
+
+
+def test_sampled_drafts_with_their_q_keep_sampling_exact():
+    """A draft model of other weights samples two drafts a pass with the target's processing; the
+    first three tokens are distributed exactly as plain sampling's (chi-square against the exact
+    joint), with both drafts accepted in many runs; the same drafts reported with a wrong q fail."""
+    from test_sampling import RUNS, V, exact_joint, gof
+
+    lm = tiny.build("llama", seed=3, scale=1.5, vocab=V)
+    draft = tiny.build("llama", seed=4, scale=1.5, vocab=V)
+    joint = exact_joint(lm)
+    counts, both = sampled_with(lm, draft)
+    assert both > RUNS // 20
+    assert gof(counts, joint) > 0.001
+    wrong, _ = sampled_with(lm, draft, wrong_q=True)
+    assert gof(wrong, joint) < 0.001
