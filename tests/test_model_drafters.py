@@ -56,6 +56,8 @@ def test_a_head_copying_the_target_is_accepted_at_every_depth(tmp_path, arch):
     spec, stats = decode(engine(lm, mtp=head), prompt, 60)
     assert spec == plain
     assert stats.acceptance > 0.98 and stats.tokens_per_pass > 5
+    assert len(stats.drafted_at) == 6 and stats.accepted_at[0] == stats.drafted_at[0] > 5
+    assert stats.draft_s > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "gemma3_text"])

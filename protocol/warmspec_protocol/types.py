@@ -92,6 +92,10 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
     drafted: int = 0
     accepted: int = 0
     gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
+    draft_s: float = 0.0  # host time spent proposing: the drafters' share of decode_s
+    # per depth (draft position 1, 2, ...): drafts verified there and accepted there
+    drafted_at: list[int] = []
+    accepted_at: list[int] = []
     # per guess source ("request": the prompt and the answer so far; "workspace": files read;
     # "recent": earlier answers; "prediction": a client's predicted output)
     sources: dict[str, SourceCount] = {}

@@ -338,19 +338,10 @@ class Engine:
         tail = text.finish()
         if tail or held:
             yield Delta(tail, held)
-        self._add_totals(stats)
+        self.totals.add(stats)
         log.info("request: %s, finish %s", stats.summary(), run.finish_reason)
         yield Finished(run.finish_reason, text.text, out, stats, text.matched)
 
-    def _add_totals(self, s: GenerationStats) -> None:
-        t = self.totals
-        for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "draft_passes",
-                  "drafted", "accepted", "gated_steps"):
-            setattr(t, f, getattr(t, f) + getattr(s, f))
-        for name, c in s.sources.items():
-            t.count(name, c.drafted, c.accepted)
-        t.prefill_s += s.prefill_s
-        t.decode_s += s.decode_s
 
     # -- token level ----------------------------------------------------------------------------
 
@@ -534,6 +525,7 @@ class Engine:
                 run.stats.gated_steps += 1
         spent = time.perf_counter() - t
         self._proposing_s += spent
+        run.stats.draft_s += spent
         gate.observe_host(spent, drafting=k > 0, context=len(self.cache_tokens))
         if not k:
             return NO_DRAFT

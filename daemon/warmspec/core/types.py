@@ -53,6 +53,10 @@ class GenerationStats(Struct, kw_only=True):
     drafted: int = 0
     accepted: int = 0
     gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
+    draft_s: float = 0.0  # host time spent proposing: the drafters' share of decode_s
+    # per depth (draft position 1, 2, ...): drafts verified there and accepted there
+    drafted_at: list[int] = []
+    accepted_at: list[int] = []
     sources: dict[str, SourceCount] = {}
 
     @property
@@ -68,19 +72,30 @@ class GenerationStats(Struct, kw_only=True):
         return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def count(self, source: str, drafted: int, accepted: int) -> None:
+        """One verified draft: its source, its length and how many of its tokens were accepted."""
         c = self.sources.get(source)
         if c is None:
             c = self.sources[source] = SourceCount()
         c.drafted += drafted
         c.accepted += accepted
+        for at, n in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
+            at.extend([0] * (n - len(at)))
+            for i in range(n):
+                at[i] += 1
 
     def add(self, other: "GenerationStats") -> None:
         """Fold ``other`` into these totals."""
         for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "draft_passes",
-                  "drafted", "accepted", "gated_steps", "prefill_s", "decode_s"):
+                  "drafted", "accepted", "gated_steps", "prefill_s", "decode_s", "draft_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for name, c in other.sources.items():
-            self.count(name, c.drafted, c.accepted)
+            mine = self.sources.setdefault(name, SourceCount())
+            mine.drafted += c.drafted
+            mine.accepted += c.accepted
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
 
     def summary(self) -> str:
         """One line a person can read, as logged per request."""
@@ -92,6 +107,9 @@ class GenerationStats(Struct, kw_only=True):
             line += f", {self.passes} passes ({self.tokens_per_pass:.2f} tok/pass)"
         if self.drafted:
             line += f", acceptance {self.acceptance:.0%} of {self.drafted} drafted"
+            if len(self.drafted_at) > 1:
+                line += " (by depth " + "/".join(f"{a / d:.0%}" for a, d in
+                                                 zip(self.accepted_at[:4], self.drafted_at[:4]) if d) + ")"
         if self.gated_steps:
             line += f", {self.gated_steps} guesses gated off"
         if self.accepted:
