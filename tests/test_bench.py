@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from warmspec import bench
+from warmspec import bench, fetch
 from warmspec.core.engine import MAX_DRAFT, Engine
 from warmspec.core.gate import CostTable
 from warmspec_protocol.bench import BenchResults
@@ -236,3 +236,26 @@ def test_divergence_reports_position_tokens_and_margin():
     assert d.bug == (d.margin > bench.TIE_MARGIN) and d.bug  # random weights: no near tie there
     shorter = bench.divergence(lm, prompt, plain, plain[:10])
     assert (shorter.position, shorter.other_token) == (10, None)
+
+
+def test_model_drafter_modes(default_lm, tmp_path):
+    """Modes mtp and draft run beside plain with their drafters loaded once; outputs identical,
+    the accepted tokens' source named per mode. (A head of random weights: it guesses badly, which
+    is what a gate and an exact verify must survive.)"""
+    from warmspec.core import mtp
+
+    head = mtp.MTPHead(mtp.target_parts(default_lm.model))  # random weights
+    mtp.save_mtp(head, tmp_path / "h.safetensors")
+    cases = tmp_path / "c.jsonl"
+    write_jsonl(cases, [{"id": "echo", "messages": user(ECHO), "max_tokens": 12}])
+    res = bench.bench(default_lm, [cases], tmp_path / "out", modes=("plain", "mtp", "draft"),
+                      costs=CostTable(CPU_COSTS), mtp_path=tmp_path / "h.safetensors",
+                      draft_model=str(fetch.default_model_path()))
+    assert [r.mode for r in res.cases] == ["plain", "mtp", "draft"]
+    assert all(r.identical_to_plain for r in res.cases)
+    # the model as its own draft model is always right where it drafted -- and, as big as the
+    # target, too slow to pay on this CPU: the gate, timing its proposals, stops asking it (the
+    # random head: wrong, and stopped too)
+    draft_row = res.cases[2]
+    assert draft_row.accepted == draft_row.drafted
+    assert res.summary.mtp is not None and res.summary.draft is not None

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from .model import LoadedModel
     from .tokenizer import Tokenizer
 
-MODES = ("plain", "ngram")
+MODES = ("plain", "ngram", "mtp", "draft")  # plain, then one guess source each
 GREEDY = SamplingParams()
 # A token counts as copied when it lies in an 8-token span seen before: in the prompt, a file
 # read, or earlier in the output. Measured over the 40 workspace edits: a reference against its
@@ -521,11 +521,31 @@ def _progress(i: int, n: int, file: str, case: BenchCase, rows: list[CaseResult]
     print(f"[{i}/{n}] {file} {case.id}: " + " | ".join(parts), file=sys.stderr, flush=True)
 
 
-def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence[str] = MODES,
+def model_drafters(lm: LoadedModel, modes: Sequence[str], mtp_path: Path | None,
+                   draft_model: str | None) -> dict:
+    """The MTP head and draft model the modes ``mtp`` and ``draft`` need, loaded once and shared:
+    the head attaches to the loaded target, never a second copy of its weights."""
+    from .core.draft_model import DraftModel
+    from .core.mtp import load_mtp
+
+    out: dict = {}
+    if "mtp" in modes:
+        if mtp_path is None:
+            raise ValueError("mode mtp needs --mtp PATH (a checkpoint with mtp.* tensors or a head file)")
+        out["mtp"] = load_mtp(mtp_path, lm)
+    if "draft" in modes:
+        if draft_model is None:
+            raise ValueError("mode draft needs --draft-model M")
+        out["draft_model"] = DraftModel.load(draft_model, lm)
+    return out
+
+
+def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence[str] = ("plain", "ngram"),
           repeat: int = 1, limit: int | None = None, max_tokens_cap: int | None = None,
           replay_outputs: bool = False, max_draft: int | None = None, costs: CostTable | None = None,
           replay_costs: CostTable | None = None, replay_costs_name: str | None = None,
-          resume: bool = False) -> BenchResults:
+          resume: bool = False, mtp_path: Path | None = None,
+          draft_model: str | None = None) -> BenchResults:
     """Run every case of ``inputs`` in every mode, replay the cases that have a reference (and,
     with ``replay_outputs``, plain's outputs of the others), and write results.json, report.md
     and speedup.png under ``out``.
@@ -548,13 +568,15 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
     if prior is not None:
         costs = costs or (CostTable(prior.costs, prior.plain_costs) if prior.costs else None)
         replay_costs_name = replay_costs_name or prior.replay_costs or None
-    measured = costs is None and ("ngram" in modes or (wants_replay and replay_costs is None))
+    measured = costs is None and (any(m != "plain" for m in modes) or (wants_replay and replay_costs is None))
     if measured:
         print("warmspec bench: measuring verify costs…", file=sys.stderr, flush=True)
         costs = Engine(lm, max_draft=max_draft).measure_costs()
     if replay_costs_name is None:
         replay_costs_name = "measured" if measured and replay_costs is None else "given"
-    engines = {m: Engine(lm, speculate=m == "ngram", max_draft=max_draft,
+    drafters = model_drafters(lm, modes, mtp_path, draft_model)
+    engines = {m: Engine(lm, speculate=m != "plain", max_draft=max_draft,
+                         drafting=None if m == "plain" else m, **drafters,
                          costs=CostTable(costs.points, costs.plain_points) if costs else None)
                for m in modes}
     replayers = replay_engines(lm, replay_costs or costs, max_draft) if wants_replay else {}
@@ -807,8 +829,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("prompts", nargs="*", type=Path, metavar="PROMPTS.jsonl")
     p.add_argument("--out", type=Path, required=True, metavar="DIR")
     p.add_argument("--model", "-m", default=None, help="model to load (default: the embedded one)")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help="comma-separated modes among plain,ngram (empty: replay only)")
+    p.add_argument("--modes", default="plain,ngram",
+                   help="comma-separated modes among plain,ngram,mtp,draft (empty: replay only; "
+                        "default plain,ngram)")
+    p.add_argument("--mtp", type=Path, default=None, metavar="PATH",
+                   help="the MTP head for mode mtp (checkpoint directory or head file)")
+    p.add_argument("--draft-model", default=None, metavar="M", help="the draft model for mode draft")
     p.add_argument("--repeat", type=int, default=1, help="runs per case and mode (medians)")
     p.add_argument("--limit", type=int, default=None, help="first N cases of each file")
     p.add_argument("--resume", action="store_true",
@@ -861,10 +887,13 @@ def run(args: argparse.Namespace) -> int:
                         replay_outputs=args.replay, max_draft=args.max_draft,
                         replay_costs=replay_costs,
                         replay_costs_name=str(args.costs) if args.costs else None,
-                        resume=args.resume)
-    except (ValueError, msgspec.DecodeError) as e:  # --resume over another run's results
+                        resume=args.resume, mtp_path=args.mtp, draft_model=args.draft_model)
+    except (ValueError, msgspec.DecodeError) as e:  # --resume over another run's; a mode's drafter
         print(f"warmspec bench: {e}", file=sys.stderr)
         return 2
+    except ModelError as e:  # a draft model that cannot be loaded
+        print(f"warmspec bench: {e}", file=sys.stderr)
+        return 1
     print_summary(results)
     print(f"wrote {args.out}/results.json, report.md, speedup.png", file=sys.stderr)
     return 0

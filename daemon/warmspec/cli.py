@@ -26,7 +26,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="MLX model directory, Hugging Face id or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding only")
-    p.add_argument("--max-draft", type=int, default=32, help="most tokens drafted per step")
+    p.add_argument("--max-draft", type=int, default=None, help="most tokens drafted per step (default 64)")
+    p.add_argument("--mtp", type=Path, default=None, metavar="PATH",
+                   help="draft with the model's MTP head: a checkpoint directory holding mtp.* tensors, "
+                        "or a standalone head file (.safetensors with its .json)")
+    p.add_argument("--draft-model", default=None, metavar="M",
+                   help="draft with a small model of the same vocabulary (MLX directory, HF id, GGUF)")
 
 
 def _daemon_args(p: argparse.ArgumentParser) -> None:
@@ -195,22 +200,24 @@ def cmd_ask(args: argparse.Namespace) -> int:
             return 2
     if not args.in_process:
         return ask_daemon(args, err)
-    from .core import Engine, EngineError, Finished, default_cost_cache
+    from .core import EngineError, Finished, SamplingParams
     from .model import ModelError, load
+    from .server.daemon import engine_for
 
     with err.status(f"Loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}…"):
         try:
             t = time.perf_counter()
             lm = load(args.model)
-            engine = Engine(lm, speculate=not args.no_speculate, max_draft=args.max_draft,
-                            cost_cache=default_cost_cache(lm, args.max_draft))
+            engine = engine_for(lm, args)
             if engine.speculate:
                 engine.costs  # measure verify costs now, not in the middle of the answer
             load_s = time.perf_counter() - t
         except ModelError as e:
             err.print(f"[red]warmspec: {e}[/red]")
             return 1
-    params = sampling_from_args(args, lm.defaults)
+    import msgspec
+
+    params = msgspec.convert(msgspec.to_builtins(sampling_from_args(args, lm.defaults)), SamplingParams)
     messages = build_prompt_messages(args.question, args.file, args.system)
     prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(messages))
     out = sys.stdout

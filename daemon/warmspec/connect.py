@@ -34,7 +34,10 @@ def connect_daemon(args: argparse.Namespace, err) -> Client:
             fetch.pull()
         except fetch.FetchError as e:
             raise DaemonError(str(e)) from None
-    serve_args = [*(["--model", args.model] if args.model else []), "--max-draft", str(args.max_draft),
+    serve_args = [*(["--model", args.model] if args.model else []),
+                  *(["--max-draft", str(args.max_draft)] if args.max_draft else []),
+                  *(["--mtp", str(args.mtp)] if getattr(args, "mtp", None) else []),
+                  *(["--draft-model", args.draft_model] if getattr(args, "draft_model", None) else []),
                   *(["--no-speculate"] if args.no_speculate else []),
                   *(a for w in args.workspace for a in ("--workspace", str(w)))]
     offset = paths.log.stat().st_size if paths.log.exists() else 0

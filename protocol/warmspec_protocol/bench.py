@@ -146,6 +146,8 @@ class ReplaySummary(Struct, kw_only=True):
 class Summary(Struct, kw_only=True, omit_defaults=True):
     plain: ModeSummary | None = None
     ngram: ModeSummary | None = None
+    mtp: ModeSummary | None = None
+    draft: ModeSummary | None = None
     prefix_cache: PrefixCacheSummary | None = None
     replay: dict[str, ReplaySummary] = {}
 

@@ -176,18 +176,38 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     return key or os.environ.get("WARMSPEC_API_KEY") or None
 
 
+def engine_for(lm, args: argparse.Namespace, **kw):
+    """The engine the command line asks for: speculation on or off, the draft ceiling, and the
+    guess source -- an MTP head (``--mtp PATH``: a checkpoint directory with ``mtp.*`` tensors or
+    a standalone head file), a draft model (``--draft-model M``), else n-gram lookup. Raises
+    ``ModelError`` for a drafter that cannot be loaded or does not fit the model."""
+    from ..core import MAX_DRAFT, Engine, default_cost_cache
+    from ..core.draft_model import DraftModel
+    from ..core.mtp import MTPError, load_mtp
+    from ..model import ModelError
+
+    max_draft = args.max_draft or MAX_DRAFT
+    mtp = draft = None
+    try:
+        if getattr(args, "mtp", None):
+            mtp = load_mtp(args.mtp, lm)
+        if getattr(args, "draft_model", None):
+            draft = DraftModel.load(args.draft_model, lm)
+    except MTPError as e:
+        raise ModelError(f"--mtp {args.mtp}: {e}") from None
+    return Engine(lm, speculate=not args.no_speculate, max_draft=max_draft, mtp=mtp, draft_model=draft,
+                  cost_cache=default_cost_cache(lm, max_draft), **kw)
+
+
 def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None):
     """Load the model and start the scheduler; measure verify costs now, not during a request."""
-    from ..core import Engine, default_cost_cache
     from ..model import load
     from .app import App
 
     log.info("loading %s", args.model or "the default model (SmolLM2-135M-Instruct)")
     t = time.perf_counter()
     lm = load(args.model)
-    engine = Engine(lm, speculate=not args.no_speculate, max_draft=args.max_draft,
-                    cost_cache=default_cost_cache(lm, args.max_draft),
-                    prefix_budget_bytes=getattr(args, "prefix_budget", None))  # serve's option only
+    engine = engine_for(lm, args, prefix_budget_bytes=getattr(args, "prefix_budget", None))  # serve's
     if engine.speculate:
         log.info("verify costs: measured once per machine and model (a few seconds), then kept")
         engine.costs
