@@ -116,6 +116,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.live = CacheState(make_prompt_cache(self.model))
         self.store = PrefixStore(prefix_budget_bytes)
+        self.disk = None  # prefix_disk.DiskTier, attached by the daemon: states that outlive it
+        self.current: GenerationStats | None = None  # the running request's, for the status page
         self.checkpoint_every = checkpoint_every
         if recurrent_rollback not in ("capture", "replay"):
             raise ValueError("recurrent_rollback must be 'capture' or 'replay'")
@@ -219,6 +221,7 @@ class Engine:
         text = TextStream(self.tokenizer, stop)
         out: list[int] = []
         run = Run(params, max_tokens, stats)
+        self.current = stats
         steps = self.generate_tokens(prompt, run, speculate=speculate, sources=sources,
                                      drafter=drafter, cancelled=cancelled)
         try:
@@ -233,6 +236,7 @@ class Engine:
                     break
         finally:
             steps.close()
+            self.current = None
         tail = text.finish()
         if tail:
             yield Delta(tail, [])
@@ -360,7 +364,12 @@ class Engine:
         fresh = lambda: make_prompt_cache(self.model)  # noqa: E731
         live_use = self.live.usable(target)
         entry, entry_use = self.store.best(target)
-        if entry is not None and entry_use > live_use:
+        loaded = self.disk.load(target, max(live_use, entry_use)) if self.disk is not None else None
+        if loaded is not None:  # a state from disk (e.g. before a restart) serves more
+            self.store.put(self.live)
+            self.live = loaded
+            reused = loaded.usable(target)
+        elif entry is not None and entry_use > live_use:
             self.store.put(self.live)
             self.store.take(entry)
             self.live = entry.clone()
