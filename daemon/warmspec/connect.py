@@ -20,7 +20,8 @@ from .server.daemon import DaemonError, model_key
 def connect_daemon(args: argparse.Namespace, err) -> Client:
     """A client of the running daemon, or of one started now in the background (its load progress
     shown on ``err``, a rich Console on stderr, until the socket answers). A daemon started here
-    gets the command's ``--model``, ``--max-draft``, ``--no-speculate`` and ``--workspace``."""
+    gets the command's ``--model``, ``--max-draft``, ``--no-speculate``, ``--workspace``,
+    ``--keep-alive`` and ``--prefix-disk(-dir)``."""
     paths = daemon.RuntimePaths.resolve(args.socket)
     try:
         return Client.unix(paths.socket)
@@ -35,6 +36,9 @@ def connect_daemon(args: argparse.Namespace, err) -> Client:
             raise DaemonError(str(e)) from None
     serve_args = [*(["--model", args.model] if args.model else []), "--max-draft", str(args.max_draft),
                   *(["--no-speculate"] if args.no_speculate else []),
+                  *(["--keep-alive", args.keep_alive.text] if args.keep_alive else []),
+                  *(["--prefix-disk", str(args.prefix_disk)] if args.prefix_disk is not None else []),
+                  *(["--prefix-disk-dir", str(args.prefix_disk_dir)] if args.prefix_disk_dir else []),
                   *(a for w in args.workspace for a in ("--workspace", str(w)))]
     offset = paths.log.stat().st_size if paths.log.exists() else 0
     proc = daemon.start_background(paths, serve_args)

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``
 (OpenAI), ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic), ``GET /health`` and
-``GET /metrics`` (Prometheus text).
+``GET /metrics`` (Prometheus text), and the live status page ``GET /`` (``/status``, data in
+``/status.json``; status_page.py).
 
 Every generation endpoint turns its request into one ``Job`` and hands it to ``_serve``, the single
 mechanism that waits on the ticket, streams or collects, sends keep-alives, parses tool calls and
@@ -40,6 +41,8 @@ from ..tokenizer import TokenizerError
 from .app import App
 from .dialects import (ApiError, ChatDialect, CompletionDialect, Dialect, MessagesDialect, Outcome,
                        ResponsesDialect, anthropic_error, openai_error)
+from . import status_page
+from .keepalive import Progress
 from .scheduler import Busy, Job, JobError, Ticket
 from .tools import ToolCallSplitter, tool_format
 
@@ -108,6 +111,8 @@ async def _generate(request: web.Request, ctx: Context, ticket: Ticket,
                           finish="tool_calls" if calls else ev.finish_reason,
                           stop_sequence=ev.stop, stats=ev.stats)
             return
+        elif isinstance(ev, Progress):  # a reload after idle unload: HTTP clients just wait
+            continue
         else:
             assert isinstance(ev, JobError)  # a daemon fault's traceback is in the scheduler's log
             raise ApiError(400 if ev.client_error else 500, ev.message)
@@ -531,7 +536,7 @@ class Context:
 
 CTX = web.AppKey("warmspec", Context)
 STREAMING = web.RequestKey("warmspec.streaming", bool)  # set once a request's SSE headers are sent
-_NO_KEY_NEEDED = {"/health"}
+_NO_KEY_NEEDED = {"/health", *status_page.PUBLIC_PATHS}  # the page is static; its data needs the key
 
 
 def _authorized(request: web.Request, key: str) -> bool:
@@ -594,6 +599,7 @@ def make_http_app(app: App, *, keepalive_s: float = KEEPALIVE_S) -> web.Applicat
     r.add_post("/v1/responses", responses)
     r.add_post("/v1/messages", messages)
     r.add_post("/v1/messages/count_tokens", count_tokens)
+    status_page.add_routes(r, lambda request: request.app[CTX].app)
     return web_app
 
 
