@@ -283,6 +283,7 @@ def _stream_answer(client, params, model: str, err) -> int:
         try:
             result = client.wait(msg_id, wire.GenerateResult,
                                  on_delta=lambda d: (out.write(d.text), out.flush()),
+                                 on_progress=lambda p: err.print(f"[dim]warmspec: {p.message}[/dim]"),
                                  interrupted=lambda: interrupted)
         except RpcError as e:
             if e.code != wire.ErrorCode.REQUEST_CANCELLED:
