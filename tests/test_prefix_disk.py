@@ -156,3 +156,38 @@ def test_default_model_conversation_after_a_restart(default_lm, default_costs, t
     assert tier2.stats.hits == 1 and resumed.stats.cached_tokens > 40
     assert resumed.tokens == uninterrupted.tokens
     tier2.close()
+
+
+def test_conversation_after_warmspec_stop_and_a_new_daemon(default_lm, tmp_path):
+    """End to end: turn 1 on a daemon, ``warmspec stop``, turn 2 on a new daemon: served from the
+    disk tier, and the same tokens as the same conversation in one uninterrupted engine."""
+    from warmspec.engine import Engine
+    from warmspec_protocol import rpc as wire
+
+    from daemon_proc import Daemon
+
+    turn1 = [{"role": "user", "content": "Write a haiku about the sea."}]
+    first = Daemon(tmp_path)
+    try:
+        with first.client() as c:
+            a1 = c.call("warmspec/chat", wire.ChatParams(messages=turn1, max_tokens=40), wire.GenerateResult)
+        first.stop()
+    finally:
+        first.kill()
+    turn2 = turn1 + [{"role": "assistant", "content": a1.text}, {"role": "user", "content": "Now one about rain."}]
+    second = Daemon(tmp_path)
+    try:
+        with second.client() as c:
+            a2 = c.call("warmspec/chat", wire.ChatParams(messages=turn2, max_tokens=40), wire.GenerateResult)
+            st = c.call("warmspec/status", None, wire.Status)
+    finally:
+        second.kill()
+    assert st.prefix_cache.disk_hits == 1 and a2.stats.cached_tokens > 40
+
+    engine = Engine(default_lm, speculate=False)
+    tok = default_lm.tokenizer
+    ids = lambda msgs: tok.encode(tok.apply_chat_template(msgs))  # noqa: E731
+    ref1 = list(engine.generate(ids(turn1), SamplingParams(), max_tokens=40))[-1]
+    assert ref1.text == a1.text
+    ref2 = list(engine.generate(ids(turn2), SamplingParams(), max_tokens=40))[-1]
+    assert a2.text == ref2.text and a2.stats.completion_tokens == len(ref2.tokens)
