@@ -17,14 +17,15 @@ READY = re.compile(r"ready: .*HTTP on (http://\S+?)(?:,| |$)", re.M)
 
 
 class Daemon:
-    def __init__(self, root: Path, *args: str, timeout: float = 300):
+    def __init__(self, root: Path, *args: str, speculate: bool = False, timeout: float = 300):
         self.root = root
         self.env = dict(os.environ, WARMSPEC_RUNTIME_DIR=str(root / "rt"))
         self.env.pop("WARMSPEC_API_KEY", None)
         self.log = root / f"serve-{time.monotonic_ns()}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "warmspec", "serve", "--no-speculate", "--port", "0",
+                [sys.executable, "-m", "warmspec", "serve", *([] if speculate else ["--no-speculate"]),
+                 "--port", "0",
                  "--prefix-disk-dir", str(root / "prefix"), *args],
                 env=self.env, stdout=out, stderr=out)
         deadline = time.monotonic() + timeout

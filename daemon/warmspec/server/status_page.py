@@ -202,31 +202,37 @@ function drawCosts(table) {
     el(svg, "polyline", {fill: "none", stroke: COLORS[i % 4], "stroke-width": 2,
       points: pts.map(p => x(p) + "," + y(table[c][p])).join(" ")});
     for (const p of pts) el(svg, "circle", {cx: x(p), cy: y(table[c][p]), r: 2.5, fill: COLORS[i % 4]});
-    el(svg, "text", {x: W - 14, y: 22 + 13 * i, "text-anchor": "end", fill: COLORS[i % 4]}, "context " + c);
+    el(svg, "text", {x: m + 10, y: 22 + 13 * i, fill: COLORS[i % 4]}, "context of " + c + " tokens");
   });
   for (const p of [1, 8, 16, 24, 32].filter(p => p <= maxP))
     el(svg, "text", {x: x(p), y: H - m + 13, "text-anchor": "middle"}, p);
 }
 function drawRoof(r, points) {
+  // Log-log, as rooflines are drawn: one pass reads the weights once, so at k tokens per pass the
+  // bandwidth bound is k times the plain ceiling -- a straight line of slope 1.
   const svg = $("roof"); svg.replaceChildren();
   const W = 640, H = 220, m = 46;
   if (!r.ceiling_tok_s) { el(svg, "text", {x: 20, y: 40}, "bandwidth not measured"); return; }
-  const maxX = 32, maxY = Math.max(r.ceiling_tok_s * 4, ...points.map(p => p.y * 1.3));
-  const x = t => m + (W - m - 20) * Math.log2(t) / Math.log2(maxX), y = v => H - m - (H - m - 16) * v / maxY;
-  axes(svg, W, H, m, "tokens per pass (log)", "tok/s");
+  const maxX = 32, lo = r.ceiling_tok_s / 4, hi = r.ceiling_tok_s * 40;
+  const x = t => m + (W - m - 20) * Math.log2(t) / Math.log2(maxX);
+  const y = v => H - m - (H - m - 16) * Math.log(Math.max(v, lo) / lo) / Math.log(hi / lo);
+  axes(svg, W, H, m, "tokens per pass (log)", "tok/s (log)");
   for (const t of [1, 2, 4, 8, 16, 32]) el(svg, "text", {x: x(t), y: H - m + 13, "text-anchor": "middle"}, t);
-  el(svg, "text", {x: m - 6, y: y(maxY) + 3, "text-anchor": "end"}, maxY.toFixed(0));
-  const roof = [];
-  for (let t = 1; t <= maxX; t *= 1.1) roof.push(x(t) + "," + y(Math.min(r.ceiling_tok_s * t, maxY)));
-  el(svg, "polyline", {fill: "none", stroke: "#999", "stroke-dasharray": "5 4", points: roof.join(" ")});
-  el(svg, "text", {x: x(2.2), y: y(Math.min(r.ceiling_tok_s * 2.6, maxY)) - 4}, "bandwidth roof: ceiling × tokens/pass");
+  for (let v = Math.pow(10, Math.ceil(Math.log10(lo))); v <= hi; v *= 10)
+    el(svg, "text", {x: m - 6, y: y(v) + 3, "text-anchor": "end"}, v >= 1 ? v.toFixed(0) : v);
+  el(svg, "line", {x1: x(1), y1: y(r.ceiling_tok_s), x2: x(maxX), y2: y(r.ceiling_tok_s * maxX),
+                   stroke: "#999", "stroke-dasharray": "5 4"});
+  el(svg, "text", {x: x(6), y: y(r.ceiling_tok_s * 6) - 8, "text-anchor": "end"},
+     "bandwidth roof: ceiling × tokens per pass");
   el(svg, "line", {x1: m, x2: W - 10, y1: y(r.ceiling_tok_s), y2: y(r.ceiling_tok_s), stroke: "#d9480f"});
-  el(svg, "text", {x: W - 12, y: y(r.ceiling_tok_s) - 4, "text-anchor": "end", fill: "#d9480f"},
-     "plain ceiling " + r.ceiling_tok_s.toFixed(1) + " tok/s");
+  el(svg, "text", {x: W - 12, y: y(r.ceiling_tok_s) + 13, "text-anchor": "end", fill: "#d9480f"},
+     "plain-decode ceiling " + r.ceiling_tok_s.toFixed(1) + " tok/s");
   points.forEach((p, i) => {
     if (!(p.t >= 1) || !(p.y > 0)) return;
-    el(svg, "circle", {cx: x(Math.min(p.t, maxX)), cy: y(Math.min(p.y, maxY)), r: 6, fill: COLORS[i % 4]});
-    el(svg, "text", {x: x(Math.min(p.t, maxX)) + 9, y: y(Math.min(p.y, maxY)) + 4, fill: COLORS[i % 4]}, p.label);
+    const cx = x(Math.min(p.t, maxX)), cy = y(Math.min(p.y, hi));
+    el(svg, "circle", {cx, cy, r: 6, fill: COLORS[i % 4]});
+    el(svg, "text", {x: cx + 9, y: cy + 4 + 12 * i, fill: COLORS[i % 4]},
+       p.label + " " + p.y.toFixed(1) + " tok/s at " + p.t.toFixed(2) + " tok/pass");
   });
 }
 let polls = 0;
