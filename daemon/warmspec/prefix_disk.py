@@ -191,12 +191,16 @@ def write_file(path: Path, snap: Snapshot) -> int:
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for d in data:
-            f.write(memoryview(d).cast("B"))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for d in data:
+                f.write(memoryview(d).cast("B"))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     return 8 + len(head) + offset
 
 

@@ -526,6 +526,14 @@ class Context:
         metric("prefix_cache_entries", "gauge", "Parked caches.", [("", pc.entries)])
         metric("prefix_cache_evictions_total", "counter", "Parked caches dropped for the budget.",
                [("", pc.evictions)])
+        metric("prefix_cache_disk_bytes", "gauge", "Prefix states saved on disk.", [("", pc.disk_bytes)])
+        metric("prefix_cache_disk_hits_total", "counter", "Requests served a prefix from disk.",
+               [("", pc.disk_hits)])
+        metric("prefix_cache_disk_dropped_total", "counter", "Bad prefix files dropped.", [("", pc.disk_dropped)])
+        metric("resident_memory_bytes", "gauge", "Resident set of the daemon.", [("", st.memory.rss_bytes)])
+        metric("peak_resident_memory_bytes", "gauge", "Peak resident set.", [("", st.memory.peak_rss_bytes)])
+        metric("model_loaded", "gauge", "1 while the weights are loaded (0: unloaded while idle).",
+               [("", int(st.model_state == "loaded"))])
         metric("workspace_files", "gauge", "Files indexed as n-gram sources.", [("", st.workspace_files)])
         metric("workspace_bytes", "gauge", "Memory of the workspace index.", [("", st.workspace_bytes)])
         metric("uptime_seconds", "gauge", "Seconds since the daemon started.", [("", st.uptime_s)])
