@@ -1,7 +1,8 @@
 #!/usr/bin/env sh
 # Set up warmspec in ./.venv: an optimized BLAS where the system can give one, then the package.
 #   ./install.sh          the daemon and CLI
-#   ./install.sh --test   plus the test extras (pytest, openai and anthropic SDKs, headless Neovim)
+#   ./install.sh --test   plus the test extras (pytest, openai and anthropic SDKs, headless Neovim,
+#                         headless Chromium)
 set -eu
 cd "$(dirname "$0")"
 extras=""
@@ -27,6 +28,10 @@ fi
 # The editor-client tests drive a real headless Neovim.
 if [ -n "$extras" ] && ! command -v nvim >/dev/null 2>&1; then
   apt_install neovim "the Neovim client tests need it"
+fi
+# The status page test loads the page in headless Chromium.
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+  apt_install chromium "the status page's browser test needs it"
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -259,3 +259,25 @@ def test_model_drafter_modes(default_lm, tmp_path):
     draft_row = res.cases[2]
     assert draft_row.accepted == draft_row.drafted
     assert res.summary.mtp is not None and res.summary.draft is not None
+
+
+def test_restart_between_turns_reads_the_disk_tier(default_lm, tmp_path):
+    """``--restart-between-turns``: turn 2 runs on a fresh engine that only has the disk tier, and
+    finds turn 1 there -- the same tokens as without a restart."""
+    chat = tmp_path / "chat.jsonl"
+    first = user(f"Read this file:\n```python\n{SRC}```\nWhat does it do?")
+    write_jsonl(chat, [{"id": "conv", "max_tokens": 8, "turns": [
+        first, [*first, {"role": "assistant", "content": "It finds the model cache."},
+                {"role": "user", "content": "Which environment variable wins?"}]]}])
+    (_, case), = bench.read_cases([chat])
+    prep = bench.prepare(case, default_lm.tokenizer, tmp_path)
+    engines = {"plain": Engine(default_lm, speculate=False)}
+    kept = bench.run_modes(engines, prep, 8, 1)["plain"][0]
+    restarted = bench.run_modes(engines, prep, 8, 1, restart=True)["plain"][0]
+    assert [s.tokens for s in restarted] == [s.tokens for s in kept]
+    assert restarted[1].stats.cached_tokens == kept[1].stats.cached_tokens > 100
+    assert engines["plain"].disk is None  # detached after the case
+
+    res = bench.bench(default_lm, [chat], tmp_path / "out", modes=["plain"], restart_between_turns=True)
+    assert res.restart_between_turns and res.cases[1].cached_tokens > 100
+    assert "after a restart" in (tmp_path / "out" / "report.md").read_text()

@@ -232,15 +232,47 @@ def flush(engine: Engine) -> None:
 
 
 def run_modes(engines: dict[str, Engine], prep: Prepared, max_tokens: int,
-              repeat: int) -> dict[str, list[list[Sample]]]:
+              repeat: int, restart: bool = False) -> dict[str, list[list[Sample]]]:
     """``{mode: [[sample per turn] per repeat]}``, the modes alternating within each repeat.
-    Each run starts from an empty cache; a conversation's turns share it, as in the daemon."""
+    Each run starts from an empty cache; a conversation's turns share it, as in the daemon.
+    ``restart``: before each later turn the engine is replaced by a fresh one that has only the
+    states its predecessor saved to disk (``engines`` is updated)."""
     samples: dict[str, list[list[Sample]]] = {mode: [] for mode in engines}
     for _ in range(repeat):
-        for mode, engine in engines.items():
-            flush(engine)
-            samples[mode].append([decode(engine, p, max_tokens, prep.sources) for p in prep.turns])
+        for mode in engines:
+            flush(engines[mode])
+            with tempfile.TemporaryDirectory(prefix="warmspec-bench-disk-") as disk:
+                if restart:
+                    engines[mode] = restarted(engines[mode], Path(disk), save=False)
+                turns = []
+                for i, p in enumerate(prep.turns):
+                    if restart and i:
+                        engines[mode] = restarted(engines[mode], Path(disk))
+                    turns.append(decode(engines[mode], p, max_tokens, prep.sources))
+                if restart:
+                    engines[mode].disk.close()
+                    engines[mode].disk = engines[mode].store.on_evict = None
+            samples[mode].append(turns)
     return samples
+
+
+def restarted(engine: Engine, disk: Path, *, save: bool = True) -> Engine:
+    """What a daemon restart leaves of ``engine``: its prefix states saved to ``disk`` (at shutdown,
+    when ``save``), then a fresh engine of the same model and settings reading them. The model stays
+    loaded in this process, so the figure is the disk tier's, not a model load's."""
+    from .core import Engine
+    from .core.prefix_disk import DiskTier, model_identity
+
+    old = engine.disk
+    if save and old is not None:
+        old.spill_all(engine)
+    if old is not None:
+        old.close()
+    identity = old.identity if old is not None else model_identity(engine.lm)
+    fresh = Engine(engine.lm, speculate=engine.speculate, max_draft=engine.max_draft,
+                   costs=CostTable(engine.costs.points) if engine._costs is not None else None)
+    DiskTier(disk, identity, budget_bytes=8 << 30).attach(fresh)
+    return fresh
 
 
 def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, list[list[Sample]]],
@@ -544,8 +576,8 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
           repeat: int = 1, limit: int | None = None, max_tokens_cap: int | None = None,
           replay_outputs: bool = False, max_draft: int | None = None, costs: CostTable | None = None,
           replay_costs: CostTable | None = None, replay_costs_name: str | None = None,
-          resume: bool = False, mtp_path: Path | None = None,
-          draft_model: str | None = None) -> BenchResults:
+          resume: bool = False, mtp_path: Path | None = None, draft_model: str | None = None,
+          restart_between_turns: bool = False) -> BenchResults:
     """Run every case of ``inputs`` in every mode, replay the cases that have a reference (and,
     with ``replay_outputs``, plain's outputs of the others), and write results.json, report.md
     and speedup.png under ``out``.
@@ -598,6 +630,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
             summary=summarize(rows, replays),
             files={f: summarize([r for r in rows if r.file == f], [r for r in replays if r.file == f])
                    for f in names},
+            restart_between_turns=restart_between_turns,
         )
 
     for i, (file, case) in enumerate(cases, 1):
@@ -607,7 +640,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
         with tempfile.TemporaryDirectory(prefix="warmspec-bench-") as tmp:
             prep = prepare(case, lm.tokenizer, Path(tmp))
             try:
-                samples = run_modes(engines, prep, max_tokens, repeat)
+                samples = run_modes(engines, prep, max_tokens, repeat, restart_between_turns)
             except EngineError as e:
                 print(f"warmspec bench: {file} {case.id}: skipped: {e}", file=sys.stderr)
                 continue
@@ -697,8 +730,12 @@ def report(res: BenchResults) -> str:
                           "BUG" if r.divergence.bug else "near tie") for r in diverged])
     prefix = [(f, s.prefix_cache) for f, s in res.files.items() if s.prefix_cache]
     if prefix:
-        lines += ["", "## Prefix cache: time to first token (all modes pooled)", ""]
-        lines += _table(("file", "cold turns", "warm turns", "TTFT cold s", "TTFT warm s"),
+        after = " after a restart" if res.restart_between_turns else ""
+        lines += ["", f"## Prefix cache: time to first token (all modes pooled){after}", ""]
+        if res.restart_between_turns:
+            lines += [("Later turns ran on a fresh engine that had only what its predecessor saved "
+                       "to the disk tier (`--restart-between-turns`); the model stayed loaded."), ""]
+        lines += _table(("file", "cold turns", f"turns{after}", "TTFT cold s", f"TTFT{after} s"),
                         [(f, p.turns_cold, p.turns_warm, f"{p.ttft_cold_s:.3f}", f"{p.ttft_warm_s:.3f}")
                          for f, p in prefix])
     if res.replays:
@@ -812,7 +849,9 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
                 parts.append(f"{mode} {ms.tok_s:.1f} tok/s")
         if s.prefix_cache:
             p = s.prefix_cache
-            parts.append(f"TTFT cold {p.ttft_cold_s:.2f} s, warm {p.ttft_warm_s:.2f} s")
+            warm = "after a restart" if res.restart_between_turns else "warm"
+            parts.append(f"TTFT cold {p.ttft_cold_s:.2f} s, {warm} {p.ttft_warm_s:.2f} s "
+                         f"({p.ttft_cold_s / p.ttft_warm_s if p.ttft_warm_s else 0:.1f}x lower)")
         parts += [f"replay {v}: {r.tokens_per_pass:.2f} tok/pass, projected {r.projected_speedup:.2f}x"
                   for v, r in s.replay.items()]
         print(f"{f}: " + ("; ".join(parts) or "no cases"), file=file)
@@ -849,6 +888,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--weights", choices=("auto", "float32", "quantized"), default="auto",
                    help="auto: float32 on a CPU (MLX's CPU quantized matmul is slower), as stored "
                         "on a GPU; float32 makes greedy outputs comparable across devices")
+    p.add_argument("--restart-between-turns", action="store_true",
+                   help="run each later turn of a conversation on a fresh engine that has only the "
+                        "prefix states saved to disk: time to first token after a daemon restart")
     p.add_argument("--probe", action="append", default=[], choices=probes.PROBES,
                    help="also measure: blas (decode on OpenBLAS vs MLX's bundled BLAS), rollback "
                         "(hybrid per-position capture vs replay); writes DIR/probes.md")
@@ -887,7 +929,8 @@ def run(args: argparse.Namespace) -> int:
                         replay_outputs=args.replay, max_draft=args.max_draft,
                         replay_costs=replay_costs,
                         replay_costs_name=str(args.costs) if args.costs else None,
-                        resume=args.resume, mtp_path=args.mtp, draft_model=args.draft_model)
+                        resume=args.resume, mtp_path=args.mtp, draft_model=args.draft_model,
+                        restart_between_turns=args.restart_between_turns)
     except (ValueError, msgspec.DecodeError) as e:  # --resume over another run's; a mode's drafter
         print(f"warmspec bench: {e}", file=sys.stderr)
         return 2

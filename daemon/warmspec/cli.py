@@ -34,6 +34,21 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="draft with a small model of the same vocabulary (MLX directory, HF id, GGUF)")
 
 
+def _warm_args(p: argparse.ArgumentParser, when: str = "") -> None:
+    """What keeps the daemon warm, and for how long (see server/keepalive.py, prefix_disk.py)."""
+    from .memory import size_arg
+    from .server.keepalive import duration_arg
+
+    p.add_argument("--keep-alive", type=duration_arg, default=None, metavar="DURATION",
+                   help="unload the model after this long without a request and reload it on the next "
+                        "(30m, 1h, 90s; 0: as soon as idle; never: keep it loaded; default 30m)" + when)
+    p.add_argument("--prefix-disk", type=size_arg, default=None, metavar="SIZE",
+                   help="disk budget for saved prefix caches, which survive restarts and idle unloads "
+                        "(2G, 512M; 0 or off: none; default a tenth of free space, at most 4G)" + when)
+    p.add_argument("--prefix-disk-dir", type=Path, default=None, metavar="DIR",
+                   help="where they are saved (default: prefix/ in the warmspec cache directory)" + when)
+
+
 def _daemon_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", type=Path, default=None,
                    help="the daemon's Unix socket (default: warmspec.sock in the runtime directory)")
@@ -74,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(ask)
     _sampling_args(ask)
     _daemon_args(ask)
+    _warm_args(ask, "; used when ask starts the daemon")
     _workspace_args(ask, "; used when ask starts the daemon")
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
@@ -82,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(serve)
     _daemon_args(serve)
     _workspace_args(serve)
+    _warm_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address for --port and --rpc-port (non-loopback needs an api key)")
     serve.add_argument("--port", type=int, default=None, help="HTTP API port (OpenAI/Anthropic compatible)")
@@ -108,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(lsp)
     _daemon_args(lsp)
     _key_file_arg(lsp, "the daemon's api key, presented for the editor,")
+    _warm_args(lsp, "; used when lsp starts the daemon")
     lsp.add_argument("--workspace", action="append", default=[], metavar="DIR",
                      help="a workspace root (repeatable; default: the current directory, unless it is ~ "
                           "or /); given to the daemon as the editor's project is")
@@ -291,6 +309,7 @@ def _stream_answer(client, params, model: str, err) -> int:
         try:
             result = client.wait(msg_id, wire.GenerateResult,
                                  on_delta=lambda d: (out.write(d.text), out.flush()),
+                                 on_progress=lambda p: err.print(f"[dim]warmspec: {p.message}[/dim]"),
                                  interrupted=lambda: interrupted)
         except RpcError as e:
             if e.code != wire.ErrorCode.REQUEST_CANCELLED:

@@ -99,8 +99,10 @@ class Client:
 
     def wait(self, msg_id: int, result_type: type[T], *,
              on_delta: Callable[[wire.DeltaParams], None] | None = None,
+             on_progress: Callable[[wire.ProgressParams], None] | None = None,
              interrupted: Callable[[], bool] | None = None) -> T:
-        """Read until the reply to ``msg_id``, passing its deltas to ``on_delta``. Once
+        """Read until the reply to ``msg_id``, passing its deltas to ``on_delta`` (and what the
+        daemon does before the first, such as reloading the model, to ``on_progress``). Once
         ``interrupted()`` turns true the request is cancelled on the daemon, and the wait ends
         with its reply (``RpcError`` -32800, or the result if it was already done)."""
         cancelled_at: float | None = None
@@ -118,6 +120,10 @@ class Client:
                     delta = msgspec.convert(env.params, wire.DeltaParams)
                     if delta.id == msg_id:
                         on_delta(delta)
+                elif env.method == "warmspec/progress" and on_progress is not None:
+                    progress = msgspec.convert(env.params, wire.ProgressParams)
+                    if progress.id == msg_id:
+                        on_progress(progress)
                 continue
             if env.id != msg_id:
                 continue

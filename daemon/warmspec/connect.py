@@ -20,8 +20,9 @@ from .server.daemon import DaemonError, model_key
 def connect_daemon(args: argparse.Namespace, err) -> Client:
     """A client of the running daemon, or of one started now in the background (its load progress
     shown on ``err``, a rich Console on stderr, until the socket answers). A daemon started here
-    gets the command's ``--model``, ``--max-draft``, ``--no-speculate`` and ``--workspace``, and its
-    api key (``--api-key``, ``--api-key-file`` or ``$WARMSPEC_API_KEY``) in its environment."""
+    gets the command's ``--model``, ``--max-draft``, ``--mtp``, ``--draft-model``, ``--no-speculate``,
+    ``--workspace``, ``--keep-alive`` and ``--prefix-disk(-dir)``, and its api key (``--api-key``,
+    ``--api-key-file`` or ``$WARMSPEC_API_KEY``) in its environment."""
     paths = daemon.RuntimePaths.resolve(args.socket)
     try:
         return Client.unix(paths.socket)
@@ -39,6 +40,9 @@ def connect_daemon(args: argparse.Namespace, err) -> Client:
                   *(["--mtp", str(args.mtp)] if getattr(args, "mtp", None) else []),
                   *(["--draft-model", args.draft_model] if getattr(args, "draft_model", None) else []),
                   *(["--no-speculate"] if args.no_speculate else []),
+                  *(["--keep-alive", args.keep_alive.text] if args.keep_alive else []),
+                  *(["--prefix-disk", str(args.prefix_disk)] if args.prefix_disk is not None else []),
+                  *(["--prefix-disk-dir", str(args.prefix_disk_dir)] if args.prefix_disk_dir else []),
                   *(a for w in args.workspace for a in ("--workspace", str(w)))]
     offset = paths.log.stat().st_size if paths.log.exists() else 0
     proc = daemon.start_background(paths, serve_args, api_key=daemon.api_key_from(args))

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from warmspec_protocol import SamplingParams
 
-from . import fetch, gguf
+from . import fetch, gguf, memory
 from .tokenizer import Tokenizer, TokenizerError
 
 
@@ -61,13 +61,26 @@ def load(spec: str | None = None, *, dequantize: bool | None = None) -> LoadedMo
             path = fetch.pull()
         except fetch.FetchError as e:
             raise ModelError(f"default model unavailable: {e}") from None
+        fits(path, dequantize, fetch.DEFAULT_MODEL_NAME)
         return load_gguf(path, dequantize=dequantize, name=fetch.DEFAULT_MODEL_NAME)
     path = Path(spec).expanduser()
     if path.is_file():
+        fits(path, dequantize, path.name)
         return load_gguf(path, dequantize=dequantize)
     if path.is_dir():
+        fits(path, dequantize, path.name)
         return load_mlx_dir(path, dequantize=dequantize, name=path.name)
-    return load_mlx_dir(_resolve_hub_id(spec), dequantize=dequantize, name=spec)
+    resolved = _resolve_hub_id(spec)
+    fits(resolved, dequantize, spec)
+    return load_mlx_dir(resolved, dequantize=dequantize, name=spec)
+
+
+def fits(path: Path, dequantize: bool, name: str) -> None:
+    """Refuse a model larger than available memory before reading its weights (memory.py)."""
+    try:
+        memory.check_model(path, dequantize=dequantize, name=name)
+    except memory.NotEnoughMemory as e:
+        raise ModelError(str(e)) from None
 
 
 def load_gguf(path: Path, *, dequantize: bool, name: str | None = None) -> LoadedModel:

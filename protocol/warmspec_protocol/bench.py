@@ -166,3 +166,6 @@ class BenchResults(Struct, kw_only=True):
     replays: list[ReplayResult]
     summary: Summary
     files: dict[str, Summary]  # the same summary per input file (edits and prose differ)
+    # Each later turn of a conversation ran on a fresh engine that had only the disk tier of the
+    # prefix cache (what a daemon restart between turns leaves): "warm" TTFT is after a restart.
+    restart_between_turns: bool = False

@@ -191,6 +191,16 @@ class DeltaParams(Struct, kw_only=True):
     tokens: int  # how many tokens this step produced (several when drafts were accepted)
 
 
+class ProgressParams(Struct, kw_only=True):
+    """``warmspec/progress`` (server to client): what the daemon is doing for request ``id`` before
+    its first delta -- reloading the model after an idle unload. ``fraction`` 1.0 marks the end;
+    null when unknown."""
+
+    id: RequestId
+    message: str
+    fraction: float | None = None
+
+
 class GenerateResult(Struct, kw_only=True):
     """The whole answer and what it cost. ``tok_s`` is decode speed; ``ttft_s`` is the daemon's
     time from reading the request to the first delta (queueing and prefill included)."""
@@ -261,7 +271,10 @@ METHODS: dict[str, MethodSpec] = {
                    "Raw-prompt completion, streamed as warmspec/delta notifications."),
         MethodSpec("warmspec/delta", DeltaParams, None, "Streamed text of a running request.",
                    request=False, notification=True, to_client=True),
-        MethodSpec("warmspec/status", NoParams, Status, "Model, queue and cumulative statistics."),
+        MethodSpec("warmspec/progress", ProgressParams, None,
+                   "What the daemon does for a request before its first delta (a model reload).",
+                   request=False, notification=True, to_client=True),
+        MethodSpec("warmspec/status", NoParams, Status, "Model, queue, memory and cumulative statistics."),
         MethodSpec("warmspec/models", NoParams, ModelsResult, "The loaded model."),
         MethodSpec("warmspec/didRead", DidReadParams, DidReadResult,
                    "An agent read a file: index it for drafting (as a notification, refusals are "
@@ -278,6 +291,6 @@ LSP_NOTIFICATIONS: frozenset[str] = frozenset({
 
 SCHEMA_TYPES: tuple[type, ...] = (
     Envelope, Request, Notification, ErrorResponse, ErrorObject, InitializeParams, InitializeResult,
-    InitializationOptions, CancelParams, ChatParams, CompleteParams, DeltaParams, GenerateResult,
-    NoParams, ModelsResult, Status, DidReadParams, DidReadResult,
+    InitializationOptions, CancelParams, ChatParams, CompleteParams, DeltaParams, ProgressParams,
+    GenerateResult, NoParams, ModelsResult, Status, DidReadParams, DidReadResult,
 )

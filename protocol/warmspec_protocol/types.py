@@ -17,6 +17,7 @@ __all__ = [
     "FinishReason",
     "ModelInfo",
     "PrefixCacheStats",
+    "MemoryStats",
     "Status",
 ]
 
@@ -167,10 +168,30 @@ class PrefixCacheStats(Struct, kw_only=True):
     bytes: int = 0
     budget_bytes: int = 0
     evictions: int = 0
+    # The disk tier (states saved at eviction, shutdown and idle unload; read after a restart).
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_budget_bytes: int = 0  # 0: no disk tier
+    disk_hits: int = 0
+    disk_tokens_loaded: int = 0
+    disk_writes: int = 0
+    disk_dropped: int = 0  # truncated, corrupt or foreign files removed
+
+
+class MemoryStats(Struct, kw_only=True):
+    """The daemon's resident set (now and its peak), MLX's own accounting, and the memory
+    available to load more (Linux ``MemAvailable``; Metal's recommended working set)."""
+
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    available_bytes: int = 0
+    mlx_active_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    mlx_cache_bytes: int = 0
 
 
 class Status(Struct, kw_only=True):
-    """What the daemon is doing: model, queue, cumulative statistics. ``pid`` tells clients
+    """What the daemon is doing: model, queue, cumulative statistics, memory. ``pid`` tells clients
     whether they share one daemon; ``workspace_roots`` are the directories whose files it may index
     (``--workspace`` and those editors added)."""
 
@@ -188,6 +209,12 @@ class Status(Struct, kw_only=True):
     workspace_roots: list[str] = []
     prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     engine_resets: int = 0  # live caches dropped after an internal error (0 when healthy)
+    memory: MemoryStats = msgspec.field(default_factory=MemoryStats)
+    # Idle unload (``serve --keep-alive``): "unloaded" frees weights and caches until a request.
+    model_state: Literal["loaded", "unloading", "unloaded", "loading"] = "loaded"
+    keep_alive_s: float | None = None  # null: never unloaded
+    idle_s: float = 0.0  # since the last request finished
+    loads: int = 1  # times the weights were loaded (1 + reloads after idle unloads)
 
 
 def to_builtins(obj: Struct) -> dict:

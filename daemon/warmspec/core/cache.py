@@ -265,6 +265,8 @@ class PrefixStore:
         self.misses = 0
         self.tokens_reused = 0
         self.evictions = 0
+        # Called with each evicted state (the disk tier spills it; see prefix_disk.py).
+        self.on_evict: Callable[[CacheState], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -305,6 +307,8 @@ class PrefixStore:
             gone = self.entries.pop(0)
             total -= gone.nbytes
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(gone)
 
     def clear(self) -> None:
         self.entries.clear()

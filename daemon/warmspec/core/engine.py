@@ -167,6 +167,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.live = CacheState(make_prompt_cache(self.model))
         self.store = PrefixStore(prefix_budget_bytes)
+        self.disk = None  # prefix_disk.DiskTier, attached by the daemon: states that outlive it
+        self.current: GenerationStats | None = None  # the running request's, for the status page
         self.checkpoint_every = checkpoint_every
         if recurrent_rollback not in ("capture", "replay"):
             raise ValueError("recurrent_rollback must be 'capture' or 'replay'")
@@ -312,6 +314,7 @@ class Engine:
         out: list[int] = []
         held: list[int] = []  # tokens not yet sent in a delta
         run = Run(params, max_tokens, stats)
+        self.current = stats
         steps = self.generate_tokens(prompt, run, speculate=speculate, sources=sources,
                                      prediction=prediction, drafter=drafter, cancelled=cancelled)
         try:
@@ -335,6 +338,7 @@ class Engine:
                     break
         finally:
             steps.close()
+            self.current = None
         tail = text.finish()
         if tail or held:
             yield Delta(tail, held)
@@ -470,6 +474,15 @@ class Engine:
         return NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
                             prediction=prediction)
 
+    def set_model(self, model) -> None:
+        """Swap the weights: None frees them (idle unload), then the same model loaded again. The
+        target pass and an MTP head (which holds the target's embedding, norm and output head by
+        reference) follow, so nothing keeps the old weights alive."""
+        self.model = self.lm.model = model
+        self.target = Target(model, capture=self.capture) if model is not None else None
+        if self.mtp is not None:
+            self.mtp.retarget(model)
+
     @property
     def replays(self) -> int:
         return self.target.replays
@@ -546,7 +559,12 @@ class Engine:
         fresh = lambda: make_prompt_cache(self.model)  # noqa: E731
         live_use = self.live.usable(target)
         entry, entry_use = self.store.best(target)
-        if entry is not None and entry_use > live_use:
+        loaded = self.disk.load(target, max(live_use, entry_use)) if self.disk is not None else None
+        if loaded is not None:  # a state from disk (e.g. before a restart) serves more
+            self.store.put(self.live)
+            self.live = loaded
+            reused = loaded.usable(target)
+        elif entry is not None and entry_use > live_use:
             parked = self.live
             self.live = self.store.take(entry)  # before parking: that may evict the entry
             self.store.put(parked)

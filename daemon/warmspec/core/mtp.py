@@ -202,6 +202,10 @@ class MTPHead(nn.Module):
     def parts(self) -> TargetParts:
         return self._parts
 
+    def retarget(self, model: nn.Module | None) -> None:
+        """Attach to ``model`` (the same target, loaded again), or let go of it (None)."""
+        self._parts = None if model is None else target_parts(model)
+
     def make_cache(self) -> list[Any]:
         return [make_prompt_cache(self._parts.model)[self._parts.template]]
 

@@ -16,7 +16,7 @@ import msgspec
 import warmspec_protocol as wire
 from warmspec_protocol import Message, ModelInfo, Status
 
-from .. import blas
+from .. import blas, memory
 from ..core import Engine, EngineError, SamplingParams
 from ..model import LoadedModel
 from ..tokenizer import Tokenizer
@@ -78,6 +78,8 @@ class App:
         self.started = time.time()
         # Measured once here: a prompt longer than this cannot fit, whatever its tokens.
         self.max_prompt_chars = lm.context_length * longest_token_chars(lm.tokenizer) if lm.context_length else None
+        self.parameters_bytes = lm.nbytes  # kept: the weights may be unloaded while idle
+        self.bandwidth: float | None = None  # bytes/s, measured at startup (roofline.py)
 
     def start(self) -> None:
         """Start decoding, and watching the workspace: files read earlier are re-indexed when
@@ -85,9 +87,23 @@ class App:
         self.scheduler.start()
         self.workspace.watch()
 
+    @property
+    def keepalive(self):
+        return self.scheduler.keepalive
+
     def stop(self) -> None:
+        """Stop decoding, then save every cached prefix to the disk tier (the worker is gone, so
+        this thread owns the engine now) and wait for the writes: the next daemon starts warm."""
         self.scheduler.stop()
         self.workspace.stop()
+        disk = getattr(self.engine, "disk", None)  # test doubles of the engine have none
+        if disk is None:
+            return
+        if self.scheduler._thread is not None and self.scheduler._thread.is_alive():
+            log.warning("the decode thread did not stop: prefix caches not saved to disk")
+        elif self.engine.model is not None:
+            disk.spill_all(self.engine)
+        disk.close()
 
     # -- requests -> jobs -------------------------------------------------------------------------
 
@@ -205,8 +221,20 @@ class App:
     def model_info(self) -> ModelInfo:
         lm = self.lm
         return ModelInfo(id=lm.name, source=lm.source, device=lm.device, quantized=lm.quantized,
-                         context_length=lm.context_length, parameters_bytes=lm.nbytes,
+                         context_length=lm.context_length, parameters_bytes=self.parameters_bytes,
                          defaults=lm.defaults)
+
+    def prefix_stats(self) -> wire.PrefixCacheStats:
+        """The memory tier's statistics, and the disk tier's when there is one."""
+        pc = to_wire(self.engine.prefix_stats(), wire.PrefixCacheStats)
+        disk = getattr(self.engine, "disk", None)  # test doubles of the engine have none
+        if disk is None:
+            return pc
+        d = disk.describe()
+        return msgspec.structs.replace(pc, disk_entries=d.entries, disk_bytes=d.bytes,
+                                       disk_budget_bytes=d.budget_bytes, disk_hits=d.hits,
+                                       disk_tokens_loaded=d.tokens_loaded, disk_writes=d.writes,
+                                       disk_dropped=d.dropped)
 
     def status(self) -> Status:
         s = self.scheduler
@@ -217,5 +245,12 @@ class App:
                       totals=to_wire(self.engine.totals, wire.GenerationStats),
                       workspace_files=len(ws.files), workspace_bytes=ws.nbytes,
                       workspace_roots=[str(r) for r in ws.roots], pid=os.getpid(),
-                      prefix_cache=to_wire(self.engine.prefix_stats(), wire.PrefixCacheStats),
-                      engine_resets=self.engine.resets)
+                      prefix_cache=self.prefix_stats(), engine_resets=self.engine.resets,
+                      memory=memory.stats(), **self._keepalive_status())
+
+    def _keepalive_status(self) -> dict[str, Any]:
+        ka = self.keepalive
+        if ka is None:
+            return {}
+        idle = 0.0 if self.scheduler.active is not None else ka.idle_for
+        return {"model_state": ka.state, "keep_alive_s": ka.idle_s, "idle_s": idle, "loads": ka.loads}

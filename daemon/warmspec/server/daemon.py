@@ -39,7 +39,7 @@ from typing import BinaryIO, Callable
 log = logging.getLogger("warmspec.daemon")
 
 LOG_ROTATE_BYTES = 16 << 20
-STOP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 60.0  # room to write the prefix caches to disk on the way out
 
 
 class DaemonError(RuntimeError):
@@ -200,9 +200,13 @@ def engine_for(lm, args: argparse.Namespace, **kw):
 
 
 def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None):
-    """Load the model and start the scheduler; measure verify costs now, not during a request."""
+    """Load the model and start the scheduler; measure verify costs now, not during a request.
+    Attach the prefix cache's disk tier and the keep-alive (idle unload) the options ask for."""
+    from .. import roofline
     from ..model import load
+    from ..core.prefix_disk import DiskTier
     from .app import App
+    from .keepalive import DEFAULT_KEEP_ALIVE_S, KeepAlive
 
     log.info("loading %s", args.model or "the default model (SmolLM2-135M-Instruct)")
     t = time.perf_counter()
@@ -211,7 +215,18 @@ def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None
     if engine.speculate:
         log.info("verify costs: measured once per machine and model (a few seconds), then kept")
         engine.costs
+    budget = getattr(args, "prefix_disk", None)
+    if budget != 0:
+        tier = DiskTier.for_model(lm, getattr(args, "prefix_disk_dir", None), budget)
+        tier.attach(engine)
+        log.info("prefix cache on disk: %s (%d states, budget %.1f GiB)", tier.dir, len(tier.entries),
+                 tier.budget_bytes / (1 << 30))
     app = App(lm, engine, workspace_roots=roots, api_key=api_key)
+    keep_alive = getattr(args, "keep_alive", None)
+    app.scheduler.keepalive = KeepAlive(engine, lambda: load(args.model),
+                                        DEFAULT_KEEP_ALIVE_S if keep_alive is None else keep_alive.seconds)
+    app.bandwidth = roofline.measure_bandwidth()
+    log.info("memory bandwidth (matrix-vector product): %.1f GB/s", app.bandwidth / 1e9)
     app.start()
     if app.workspace.roots:
         log.info("workspace: %s", ", ".join(str(r) for r in app.workspace.roots))

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``
 (OpenAI), ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic), ``GET /health`` and
-``GET /metrics`` (Prometheus text).
+``GET /metrics`` (Prometheus text), and the live status page ``GET /`` (``/status``, data in
+``/status.json``; status_page.py).
 
 Every generation endpoint turns its request into one ``Job`` and hands it to ``_serve``, the single
 mechanism that waits on the ticket, streams or collects, sends keep-alives, parses tool calls and
@@ -52,6 +53,8 @@ from ..tokenizer import TokenizerError
 from .app import App, to_wire
 from .dialects import (ApiError, ChatDialect, CompletionDialect, Dialect, MessagesDialect, Outcome,
                        ResponsesDialect, anthropic_error, openai_error)
+from . import status_page
+from .keepalive import Progress
 from .scheduler import Busy, Job, JobError, Ticket
 from .tools import ToolCallSplitter, tool_format
 
@@ -120,6 +123,8 @@ async def _generate(request: web.Request, ctx: Context, ticket: Ticket,
                           finish="tool_calls" if calls else ev.finish_reason,
                           stop_sequence=ev.stop, stats=to_wire(ev.stats, GenerationStats))
             return
+        elif isinstance(ev, Progress):  # a reload after idle unload: HTTP clients just wait
+            continue
         else:
             assert isinstance(ev, JobError)  # a daemon fault's traceback is in the scheduler's log
             raise ApiError(400 if ev.client_error else 500, ev.message)
@@ -546,6 +551,14 @@ class Context:
         metric("prefix_cache_entries", "gauge", "Parked caches.", [("", pc.entries)])
         metric("prefix_cache_evictions_total", "counter", "Parked caches dropped for the budget.",
                [("", pc.evictions)])
+        metric("prefix_cache_disk_bytes", "gauge", "Prefix states saved on disk.", [("", pc.disk_bytes)])
+        metric("prefix_cache_disk_hits_total", "counter", "Requests served a prefix from disk.",
+               [("", pc.disk_hits)])
+        metric("prefix_cache_disk_dropped_total", "counter", "Bad prefix files dropped.", [("", pc.disk_dropped)])
+        metric("resident_memory_bytes", "gauge", "Resident set of the daemon.", [("", st.memory.rss_bytes)])
+        metric("peak_resident_memory_bytes", "gauge", "Peak resident set.", [("", st.memory.peak_rss_bytes)])
+        metric("model_loaded", "gauge", "1 while the weights are loaded (0: unloaded while idle).",
+               [("", int(st.model_state == "loaded"))])
         metric("workspace_files", "gauge", "Files indexed as n-gram sources.", [("", st.workspace_files)])
         metric("workspace_bytes", "gauge", "Memory of the workspace index.", [("", st.workspace_bytes)])
         metric("uptime_seconds", "gauge", "Seconds since the daemon started.", [("", st.uptime_s)])
@@ -556,7 +569,7 @@ class Context:
 
 CTX = web.AppKey("warmspec", Context)
 STREAMING = web.RequestKey("warmspec.streaming", bool)  # set once a request's SSE headers are sent
-_NO_KEY_NEEDED = {"/health"}
+_NO_KEY_NEEDED = {"/health", *status_page.PUBLIC_PATHS}  # the page is static; its data needs the key
 
 
 def _host_name(host: str) -> str:
@@ -667,6 +680,7 @@ def make_http_app(app: App, *, keepalive_s: float = KEEPALIVE_S, host: str = "12
     r.add_post("/v1/responses", responses)
     r.add_post("/v1/messages", messages)
     r.add_post("/v1/messages/count_tokens", count_tokens)
+    status_page.add_routes(r, lambda request: request.app[CTX].app)
     return web_app
 
 

@@ -54,6 +54,7 @@ from ..workspace import WorkspaceError, path_from_uri
 from .app import App, to_wire
 from .framing import HEADER_LIMIT, FrameError, frame, read_frame
 from .inline import GhostText
+from .keepalive import Progress
 from .scheduler import PRIORITY_NORMAL, Busy, Job, Ticket
 
 log = logging.getLogger("warmspec.rpc")
@@ -383,7 +384,11 @@ class Connection(LanguageServer):
                 self.protocol.notify("warmspec/delta", wire.DeltaParams(id=msg_id, text=delta.text,
                                                                       tokens=len(delta.tokens)))
 
-        fin = await self.run_job(job, on_delta)
+        def on_progress(p: Progress) -> None:
+            self.protocol.notify("warmspec/progress", wire.ProgressParams(id=msg_id, message=p.message,
+                                                                        fraction=p.fraction))
+
+        fin = await self.run_job(job, on_delta, on_progress)
         ttft = first if first is not None else time.perf_counter() - started
         log.info("%s #%s %s: %s after %d tokens, first token in %.0f ms", self.name, msg_id, method,
                  fin.finish_reason, fin.stats.completion_tokens, ttft * 1000)
@@ -391,7 +396,8 @@ class Connection(LanguageServer):
                                    stats=to_wire(fin.stats, GenerationStats),
                                    tok_s=fin.stats.decode_tok_s, ttft_s=ttft)
 
-    async def run_job(self, job: Job, on_delta: Callable[[Delta], None] | None = None) -> Finished:
+    async def run_job(self, job: Job, on_delta: Callable[[Delta], None] | None = None,
+                      on_progress: Callable[[Progress], None] | None = None) -> Finished:
         """Submit ``job`` and wait for it. If this task is cancelled (``$/cancelRequest``, a newer
         inline completion, the client hanging up) the job stops within one decode step, and the
         cancellation is answered once it has: a client that then asks again, or asks for the
@@ -408,6 +414,9 @@ class Connection(LanguageServer):
                         on_delta(event)
                 elif isinstance(event, Finished):
                     return event
+                elif isinstance(event, Progress):
+                    if on_progress is not None:
+                        on_progress(event)
                 else:
                     code = ErrorCode.INVALID_PARAMS if event.client_error else ErrorCode.INTERNAL_ERROR
                     raise RpcError(code, event.message)

@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from typing import AsyncIterator
 
 import msgspec
@@ -23,6 +24,7 @@ import msgspec
 
 from ..core import Delta, Engine, EngineError, Finished, GenerationStats, SamplingParams
 from ..workspace import Workspace
+from .keepalive import Progress
 
 log = logging.getLogger("warmspec.scheduler")
 
@@ -54,7 +56,7 @@ class JobError(msgspec.Struct):
     client_error: bool
 
 
-Event = Delta | Finished | JobError
+Event = Delta | Finished | JobError | Progress
 
 
 class Ticket:
@@ -105,6 +107,8 @@ class Scheduler:
         self.active: Ticket | None = None
         self.completed = 0
         self.failed = 0
+        self.keepalive = None  # keepalive.KeepAlive: idle unload, reload before the next job
+        self.recent: deque[GenerationStats] = deque(maxlen=64)  # finished jobs, for the status page
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -150,13 +154,20 @@ class Scheduler:
     # -- worker ---------------------------------------------------------------------------------
 
     def _next(self) -> Ticket | None:
-        with self._cv:
-            while not self._heap and not self._stopping:
-                self._cv.wait()
-            if self._stopping:
-                return None
-            self.active = heapq.heappop(self._heap)[2]
-            return self.active
+        idle = self.keepalive
+        while True:
+            with self._cv:
+                while not self._heap and not self._stopping:
+                    wait = idle.wait_s() if idle is not None else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cv.wait(wait)
+                if self._stopping:
+                    return None
+                if self._heap:
+                    self.active = heapq.heappop(self._heap)[2]
+                    return self.active
+            idle.idle()  # idle past the keep-alive: unload, outside the lock (submit never waits)
 
     def _work(self) -> None:
         while (ticket := self._next()) is not None:
@@ -164,11 +175,17 @@ class Scheduler:
                 self._run(ticket)
             finally:
                 self.active = None
+                if self.keepalive is not None:
+                    self.keepalive.done()
 
     def _run(self, ticket: Ticket) -> None:
         job = ticket.job
         if ticket.cancelled.is_set():
             ticket._push(_cancelled(job))
+            return
+        if self.keepalive is not None and (why := self.keepalive.ready(ticket._push)) is not None:
+            self.failed += 1
+            ticket._push(JobError(f"the model could not be reloaded: {why}", client_error=False))
             return
         sources = self.workspace.sources(job.conversation) if self.workspace and job.speculate else ()
         try:
@@ -176,6 +193,8 @@ class Scheduler:
                                               stop=job.stop, speculate=job.speculate,
                                               sources=sources, cancelled=ticket.cancelled.is_set):
                 ticket._push(event)
+                if isinstance(event, Finished):
+                    self.recent.append(event.stats)
             self.completed += 1
         except EngineError as e:
             self.failed += 1
