@@ -39,7 +39,7 @@ def test_mtp_head_greedy_exact(tmp_path, arch):
     head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, arch, head_tensors), lm)
     prompt = random_tokens(20, seed=5)
     plain, _ = decode(Engine(lm, speculate=False), prompt, 50, speculate=False)
-    e = engine(lm, mtp=head)
+    e = engine(lm, mtp=head, drafting="mtp")
     assert e.drafting == "mtp"
     spec, stats = decode(e, prompt, 50)
     assert spec == plain
@@ -53,7 +53,7 @@ def test_a_head_copying_the_target_is_accepted_at_every_depth(tmp_path, arch):
     head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, arch, copy_head_tensors(lm)), lm)
     prompt = random_tokens(16, seed=9)
     plain, _ = decode(Engine(lm, speculate=False), prompt, 60, speculate=False)
-    spec, stats = decode(engine(lm, mtp=head), prompt, 60)
+    spec, stats = decode(engine(lm, mtp=head, drafting="mtp"), prompt, 60)
     assert spec == plain
     assert stats.acceptance > 0.98 and stats.tokens_per_pass > 5
     assert len(stats.drafted_at) == 6 and stats.accepted_at[0] == stats.drafted_at[0] > 5
@@ -128,3 +128,21 @@ def test_sampled_drafts_with_their_q_keep_sampling_exact():
     assert gof(counts, joint) > 0.001
     wrong, _ = sampled_with(lm, draft, wrong_q=True)
     assert gof(wrong, joint) < 0.001
+
+
+def test_ngram_and_mtp_together_pick_per_step(tmp_path):
+    """ngram+mtp (the default with a head): a prompt that repeats itself is drafted from the
+    n-gram match, the rest from the head; plain's tokens either way, and both sources used."""
+    lm = tiny.build("llama")
+    make_position_wise(lm)
+    head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, "llama", copy_head_tensors(lm)), lm)
+    block = random_tokens(12, seed=4)
+    prompt = block * 3 + random_tokens(5, seed=6)
+    plain, _ = decode(Engine(lm, speculate=False), prompt, 150, speculate=False)
+    e = Engine(lm, costs=CostTable(FREE.points), observe_costs=False, max_draft=6, mtp=head)
+    assert e.drafting == "ngram+mtp"
+    spec, stats = decode(e, prompt, 150)
+    assert spec == plain
+    # the position-wise target's answer soon cycles: then the n-gram match, long and trusted, is
+    # taken without asking the head
+    assert stats.sources["mtp"].accepted > 0 and stats.sources["request"].accepted > 50

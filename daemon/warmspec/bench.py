@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from .model import LoadedModel
     from .tokenizer import Tokenizer
 
-MODES = ("plain", "ngram", "mtp", "draft")  # plain, then one guess source each
+MODES = ("plain", "ngram", "mtp", "ngram+mtp", "draft")  # plain, then the guess sources
 GREEDY = SamplingParams()
 # A token counts as copied when it lies in an 8-token span seen before: in the prompt, a file
 # read, or earlier in the output. Measured over the 40 workspace edits: a reference against its
@@ -517,7 +517,7 @@ def summarize(rows: list[CaseResult], replays: list[ReplayResult]) -> Summary:
              if any(r.mode == m for r in rows)}
     variants = {v: replay_summary([r for r in replays if r.variant == v]) for v in VARIANTS
                 if any(r.variant == v for r in replays)}
-    return Summary(**modes, prefix_cache=prefix_cache_summary(rows), replay=variants)
+    return Summary(**{mode_attr(m): v for m, v in modes.items()}, prefix_cache=prefix_cache_summary(rows), replay=variants)
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -553,6 +553,11 @@ def _progress(i: int, n: int, file: str, case: BenchCase, rows: list[CaseResult]
     print(f"[{i}/{n}] {file} {case.id}: " + " | ".join(parts), file=sys.stderr, flush=True)
 
 
+def mode_attr(mode: str) -> str:
+    """The ``Summary`` field of a mode ("ngram+mtp" -> ngram_mtp)."""
+    return mode.replace("+", "_")
+
+
 def model_drafters(lm: LoadedModel, modes: Sequence[str], mtp_path: Path | None,
                    draft_model: str | None) -> dict:
     """The MTP head and draft model the modes ``mtp`` and ``draft`` need, loaded once and shared:
@@ -561,7 +566,7 @@ def model_drafters(lm: LoadedModel, modes: Sequence[str], mtp_path: Path | None,
     from .core.mtp import load_mtp
 
     out: dict = {}
-    if "mtp" in modes:
+    if any("mtp" in m for m in modes):
         if mtp_path is None:
             raise ValueError("mode mtp needs --mtp PATH (a checkpoint with mtp.* tensors or a head file)")
         out["mtp"] = load_mtp(mtp_path, lm)
@@ -708,7 +713,7 @@ def report(res: BenchResults) -> str:
     summary_rows = []
     for f, s in res.files.items():
         for mode in MODES:
-            ms: ModeSummary | None = getattr(s, mode)
+            ms: ModeSummary | None = getattr(s, mode_attr(mode))
             if ms is not None:
                 slowest = f"{ms.min_speedup:.2f}x ({ms.min_case})" if mode != "plain" else ""
                 summary_rows.append((f, mode, ms.cases, ms.tokens, f"{ms.decode_s:.1f}",
@@ -836,7 +841,7 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
     for f, s in res.files.items():
         parts = []
         for mode in MODES:
-            ms: ModeSummary | None = getattr(s, mode)
+            ms: ModeSummary | None = getattr(s, mode_attr(mode))
             if ms is not None and mode != "plain":
                 parts.append(f"{mode} {ms.speedup_vs_plain:.2f}x vs plain ({ms.tok_s:.1f} tok/s), "
                              f"slowest case {ms.min_speedup:.2f}x, "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from msgspec import Struct
+from msgspec import Struct, field
 
 from .types import Message
 
@@ -147,6 +147,7 @@ class Summary(Struct, kw_only=True, omit_defaults=True):
     plain: ModeSummary | None = None
     ngram: ModeSummary | None = None
     mtp: ModeSummary | None = None
+    ngram_mtp: ModeSummary | None = field(default=None, name="ngram+mtp")
     draft: ModeSummary | None = None
     prefix_cache: PrefixCacheSummary | None = None
     replay: dict[str, ReplaySummary] = {}

@@ -86,3 +86,49 @@ class DraftModelDrafter:
             return None
         drafted, q, first = self.model.propose(self.context, k, self.params, self.rng)
         return Proposal(tokens=drafted, confidence=first, source=self.source, q=q)
+
+
+class CombinedDrafter:
+    """N-gram lookup and an MTP head together: each step, the proposal the gate values more.
+
+    The n-gram drafter is asked first (a lookup costs microseconds); where it follows a long match
+    -- a copied file, a loop -- its value is taken without running the head (a head proposal costs
+    a decoder layer and an output projection per depth). Otherwise both propose and the gate's
+    value (its acceptance estimate for that source and confidence, over the measured pass costs)
+    picks one. Both are told every emitted token: the head's cache needs every committed pair, and
+    the n-gram drafter its copy position.
+    """
+
+    wants_hidden = True
+
+    def __init__(self, ngram, mtp: MtpDrafter, gate, context: "callable"):
+        self.ngram = ngram
+        self.mtp = mtp
+        self.gate = gate
+        self.context = context  # tokens in the target's cache now (the pass costs depend on it)
+
+    def commit(self, tokens: Sequence[int], hidden: Any = None) -> None:
+        self.ngram.commit(tokens)
+        self.mtp.commit(tokens, hidden)
+
+    def propose(self, k: int) -> Proposal | None:
+        ctx = self.context()
+        best, best_value = None, 0.0
+        n = self.ngram.propose(k)
+        if n is not None:
+            kn, best_value = self.gate.value(len(n.tokens), n.confidence, ctx, source=n.source)
+            if kn and self.gate.acceptance(n.confidence, n.source) >= LONG_MATCH_ACCEPTANCE:
+                return n
+            best = n if kn else None
+        m = self.mtp.propose(k)
+        if m is not None:
+            km, v = self.gate.value(len(m.tokens), m.confidence, ctx, source=m.source)
+            if best is None or v > best_value:
+                best = m
+        return best if best is not None else (n or m)
+
+
+# Where the n-gram drafter's acceptance estimate for its proposal is this high, the head is not
+# asked: the copy will be accepted for long stretches, the head adds little and costs a pass of its
+# own per depth.
+LONG_MATCH_ACCEPTANCE = 0.9

@@ -30,7 +30,7 @@ from .types import FinishReason, GenerationStats, PrefixCacheStats, SamplingPara
 from . import hybrid
 from .cache import CacheState, Checkpoint, PrefixStore, has_recurrent, layers
 from .target import Pass, Target
-from .drafters import DraftModelDrafter, MtpDrafter
+from .drafters import CombinedDrafter, DraftModelDrafter, MtpDrafter
 
 if TYPE_CHECKING:
     from .draft_model import DraftModel
@@ -59,7 +59,7 @@ KEEP_TAIL = 32
 # Speculative decoding runs plain steps ahead (pipelined) where that makes them at least this much
 # cheaper than a synchronous pass.
 PIPELINE_GAIN = 0.95
-DRAFTING = ("ngram", "mtp", "draft")
+DRAFTING = ("ngram", "mtp", "ngram+mtp", "draft")
 
 
 def default_cost_cache(lm: LoadedModel, max_draft: int = MAX_DRAFT) -> Path:
@@ -183,8 +183,8 @@ class Engine:
         # when one is loaded.
         self.mtp = mtp
         self.draft_model = draft_model
-        self.drafting = drafting or ("mtp" if mtp else "draft" if draft_model else "ngram")
-        if self.drafting not in DRAFTING or (self.drafting == "mtp" and mtp is None) or \
+        self.drafting = drafting or ("ngram+mtp" if mtp else "draft" if draft_model else "ngram")
+        if self.drafting not in DRAFTING or ("mtp" in self.drafting and mtp is None) or \
                 (self.drafting == "draft" and draft_model is None):
             raise ValueError(f"drafting {self.drafting!r} needs its model: one of {DRAFTING}")
         self.gated = gated
@@ -471,8 +471,12 @@ class Engine:
             return MtpDrafter(self.mtp, params)
         if self.drafting == "draft":
             return DraftModelDrafter(self.draft_model, prompt, params)
-        return NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
-                            prediction=prediction)
+        ngram = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
+                             prediction=prediction)
+        if self.drafting == "ngram+mtp":
+            return CombinedDrafter(ngram, MtpDrafter(self.mtp, params), self.gate,
+                                   lambda: len(self.cache_tokens))
+        return ngram
 
     def set_model(self, model) -> None:
         """Swap the weights: None frees them (idle unload), then the same model loaded again. The

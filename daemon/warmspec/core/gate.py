@@ -210,7 +210,32 @@ class Gate:
         return source, max(i for i, edge in enumerate(CONFIDENCE_BINS) if confidence >= edge - 1e-9)
 
     def acceptance(self, confidence: float, source: str = "") -> float:
-        return self.rate.get(self.bin(confidence, source), PRIOR_ACCEPTANCE)
+        """The per-token acceptance estimate for a proposal: learned per (source, confidence bin);
+        before a bin has seen drafts, the drafter's own confidence (its bin's lower edge), at least
+        ``PRIOR_ACCEPTANCE`` -- so a 40-token match is trusted from the start, and two sources
+        compared before either was verified are compared by what each claims."""
+        b = self.bin(confidence, source)
+        return self.rate.get(b, max(CONFIDENCE_BINS[b[1]], PRIOR_ACCEPTANCE))
+
+    def value(self, available: int, confidence: float, context: int = 0, *,
+              source: str = "") -> tuple[int, float]:
+        """The best number of drafts to verify out of ``available`` proposed with ``confidence`` by
+        ``source`` (``context`` tokens in the cache), and its expected tokens per second; 0 drafts
+        when a plain step is worth more (by ``MARGIN``)."""
+        k_max = min(available, self.max_draft)
+        plain = 1.0 / self.costs.plain(context)
+        if k_max <= 0:
+            return 0, plain
+        a = self.acceptance(confidence, source)
+        best_k, best = 0, plain * MARGIN
+        expected, term = 1.0, 1.0
+        for k in range(1, k_max + 1):
+            term *= a
+            expected += term
+            v = expected / (self.costs.cost(1 + k, context) + self.host_s)
+            if v > best:
+                best_k, best = k, v
+        return best_k, best if best_k else plain
 
     def choose(self, available: int, confidence: float, context: int = 0, *, source: str = "") -> int:
         """Drafts to verify out of ``available`` proposed with ``confidence`` by ``source``, with
@@ -218,18 +243,9 @@ class Gate:
         k_max = min(available, self.max_draft)
         if k_max <= 0 or not self.enabled:
             return max(k_max, 0)
-        b = self.bin(confidence, source)
-        a = self.rate.get(b, PRIOR_ACCEPTANCE)
-        plain = 1.0 / self.costs.plain(context)
-        best_k, best = 0, plain * MARGIN
-        expected, term = 1.0, 1.0
-        for k in range(1, k_max + 1):
-            term *= a
-            expected += term
-            value = expected / (self.costs.cost(1 + k, context) + self.host_s)
-            if value > best:
-                best_k, best = k, value
+        best_k, _ = self.value(available, confidence, context, source=source)
         if best_k == 0:
+            b = self.bin(confidence, source)
             self.refusals[b] = self.refusals.get(b, 0) + 1
             if self.refusals[b] >= PROBE_EVERY:  # keep the estimate alive where it is gated off
                 self.refusals[b] = 0
@@ -241,7 +257,7 @@ class Gate:
         if drafted <= 0:
             return
         b = self.bin(confidence, source)
-        r = self.rate.get(b, PRIOR_ACCEPTANCE)
+        r = self.acceptance(confidence, source)
         for i in range(drafted if accepted == drafted else accepted + 1):
             r = DECAY * r + (1 - DECAY) * (1.0 if i < accepted else 0.0)
         self.rate[b] = r
