@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
 import tiny
 from warmspec.core.draft_model import DraftError, DraftModel
-from warmspec.sampling import distribution, sample
+from warmspec.core.sampling import distribution, sample
 from warmspec.tokenizer import Tokenizer, _byte_decoder, byte_tokenizer
 from warmspec_protocol import SamplingParams
 

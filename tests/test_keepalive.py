@@ -12,7 +12,7 @@ import pytest
 
 from warmspec import memory
 from warmspec.core.engine import Engine, Finished
-from warmspec.gate import CostTable
+from warmspec.core.gate import CostTable
 from warmspec.model import ModelError, load
 from warmspec.server.app import App
 from warmspec.server.keepalive import KeepAlive, Progress, parse_duration

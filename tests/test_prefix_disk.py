@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from warmspec.core.engine import Engine, Run
-from warmspec.gate import CostTable
+from warmspec.core.gate import CostTable
 from warmspec.core.prefix_disk import SUFFIX, DiskTier, model_identity
 from warmspec.core import GenerationStats, SamplingParams
 
