@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 from warmspec.core.drafter import Proposal
 from warmspec.core.engine import Engine, Run
 from warmspec.core.gate import CostTable
-from warmspec.core.sampling import distribution, sample, verify_sampled
+from warmspec.core.sampling import distribution, probabilities, sample, verify_sampled
 from warmspec.core import GenerationStats, SamplingParams
 
 import tiny
@@ -116,8 +116,9 @@ def test_verify_rule_and_negative_control():
     n = 20000
     good = np.zeros(V)
     bad = np.zeros(V)
+    probs = probabilities(mx.array(np.stack([logits, logits]).astype(np.float32)), PARAMS)
     for _ in range(n):
-        accepted, nxt = verify_sampled([logits, logits], [draft], PARAMS, rng)
+        accepted, nxt = verify_sampled(probs, [draft], rng)
         good[draft if accepted else nxt] += 1
         # wrong: on rejection, resample from p without removing the draft (over-weights it)
         bad[draft if rng.random() < p[draft] else sample(p, rng)] += 1
@@ -134,13 +135,25 @@ def test_draft_probabilities_rule():
     q = rng.dirichlet(np.ones(V))
     counts = np.zeros(V)
     n = 20000
+    probs = probabilities(mx.array(np.stack([logits, logits]).astype(np.float32)), PARAMS)
     for _ in range(n):
         d = sample(q, rng)
-        accepted, nxt = verify_sampled([logits, logits], [d], PARAMS, rng, draft_probs=[q])
+        accepted, nxt = verify_sampled(probs, [d], rng, draft_probs=[q])
         counts[d if accepted else nxt] += 1
     mask = p > 0
     assert counts[~mask].sum() == 0
     assert chisquare(counts[mask], p[mask] * n).pvalue > 0.001
+
+
+def test_device_probabilities_match_the_reference():
+    """The device processing the engine samples from is ``distribution``'s, to float32 rounding."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(4, 300)) * 3
+    for params in (PARAMS, SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.5),
+                   SamplingParams(temperature=1.0, top_k=7, min_p=0.1)):
+        got = np.array(probabilities(mx.array(logits.astype(np.float32)), params))
+        want = np.stack([distribution(row, params) for row in logits])
+        assert np.allclose(got, want, atol=1e-6)
 
 
 def test_distribution_truncation():
@@ -152,3 +165,20 @@ def test_distribution_truncation():
     p = distribution(logits, SamplingParams(temperature=1.0, min_p=0.3))
     assert np.allclose(p, [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0])
     assert list(itertools.accumulate(p))[-1] == 1.0 or abs(p.sum() - 1) < 1e-12
+
+
+def test_a_verify_pass_reads_one_row(monkeypatch):
+    """Only what the sampler needs reaches the host: the drafted tokens' probabilities, then the one
+    row the next token is drawn from -- not a row per position."""
+    from warmspec.core import sampling
+
+    reads = []
+    real = sampling.host_row
+    monkeypatch.setattr(sampling, "host_row", lambda p: reads.append(1) or real(p))
+    rng = np.random.default_rng(2)
+    logits = mx.array((rng.normal(size=(6, 50)) * 2).astype(np.float32))
+    probs = probabilities(logits, SamplingParams(temperature=1.0))
+    for _ in range(50):
+        reads.clear()
+        verify_sampled(probs, rng.integers(0, 50, 5).tolist(), rng)
+        assert reads == [1]

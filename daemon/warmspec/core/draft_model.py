@@ -31,7 +31,7 @@ from .types import SamplingParams
 
 from .cache import CacheState, Checkpoint
 from ..model import LoadedModel, ModelError, load
-from .sampling import distribution, make_rng, sample
+from .sampling import host_row, make_rng, probabilities, sample
 from ..tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512      # positions per prefill pass: bounds the activations of a long first context
@@ -170,7 +170,7 @@ class DraftModel:
                     first = top.item()
                 tok = int(best.item())
             else:
-                q = distribution(np.array(row.astype(mx.float32)), params)
+                q = host_row(probabilities(row[None], params)[0])
                 tok = sample(q, rng)
                 qs.append(q)
                 first = first or float(q[tok])

@@ -39,7 +39,7 @@ from .drafter import Drafter
 from .ngram import DEFAULT_MIN_N, NgramDrafter, RecentAnswers, Source
 from .gate import CostTable, Gate
 from ..model import LoadedModel
-from .sampling import distribution, make_rng, sample, verify_sampled
+from .sampling import make_rng, probabilities, verify_sampled
 from ..tokenizer import TextStream
 
 log = logging.getLogger("warmspec.engine")
@@ -645,11 +645,7 @@ class Engine:
                     n += 1
             nxt = targets[n]
         else:
-            rows = np.array(p.logits.astype(mx.float32))
-            if drafts:
-                n, nxt = verify_sampled(rows, drafts, params, run.rng, q)
-            else:
-                n, nxt = 0, sample(distribution(rows[0], params), run.rng)
+            n, nxt = verify_sampled(probabilities(p.logits, params), drafts, run.rng, q)
         self._last_read = None
         run.stats.passes += 1
         inputs = [pending, *drafts]

@@ -83,7 +83,7 @@ from .types import SamplingParams
 
 from .cache import trimmable_kind
 from ..model import LoadedModel
-from .sampling import distribution, sample
+from .sampling import host_row, probabilities, sample
 
 FORMAT = "warmspec-mtp-head"
 ZERO_CENTRED_NORMS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -261,7 +261,7 @@ class MTPHead(nn.Module):
                     first = top.item()
                 tok = int(best.item())
             else:
-                q = distribution(np.array(row.astype(mx.float32)), params)
+                q = host_row(probabilities(row[None], params)[0])
                 tok = sample(q, rng)
                 qs.append(q)
                 first = first or float(q[tok])
