@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 import mlx.core as mx
 import msgspec
 import numpy as np
+from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.models.cache import make_prompt_cache
 
 from .types import FinishReason, GenerationStats, PrefixCacheStats, SamplingParams
@@ -60,6 +61,7 @@ KEEP_TAIL = 32
 # cheaper than a synchronous pass.
 PIPELINE_GAIN = 0.95
 DRAFTING = ("ngram", "mtp", "ngram+mtp", "draft")
+CLEAR_EVERY = 256  # tokens between clears of MLX's buffer cache, as mlx-lm's generate_step
 
 
 def default_cost_cache(lm: LoadedModel, max_draft: int = MAX_DRAFT) -> Path:
@@ -349,7 +351,26 @@ class Engine:
 
     # -- token level ----------------------------------------------------------------------------
 
-    def generate_tokens(
+    def generate_tokens(self, prompt: Sequence[int], run: Run, **kw) -> Iterator[list[int]]:
+        """Yield the tokens accepted by each pass (cut at end-of-sequence and the budget); see
+        ``_generate_tokens``. Runs as mlx-lm's generation does, for device memory on Apple GPUs: on
+        its generation stream, under the recommended wired limit, with MLX's buffer cache cleared
+        every ``CLEAR_EVERY`` tokens and at the end."""
+        with mx.stream(generation_stream), wired_limit(self.model, [generation_stream]):
+            produced = 0
+            steps = self._generate_tokens(prompt, run, **kw)
+            try:
+                for new in steps:
+                    produced += len(new)
+                    if produced >= CLEAR_EVERY:
+                        produced = 0
+                        mx.clear_cache()
+                    yield new
+            finally:
+                steps.close()  # its own cleanup (the pass run ahead, checkpoints) now, not at GC
+                mx.clear_cache()
+
+    def _generate_tokens(
         self,
         prompt: Sequence[int],
         run: Run,
