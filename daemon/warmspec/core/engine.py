@@ -557,7 +557,11 @@ class Engine:
         proposal = drafter.propose(min(self.max_draft, run.budget - 1))
         k = 0
         if proposal is not None:
-            k = gate.choose(len(proposal.tokens), proposal.confidence, len(self.cache_tokens),
+            # nothing after an end-of-sequence token can be emitted: don't verify it
+            eos = self.tokenizer.eos_ids
+            available = next((i + 1 for i, tok in enumerate(proposal.tokens) if tok in eos),
+                             len(proposal.tokens))
+            k = gate.choose(available, proposal.confidence, len(self.cache_tokens),
                             source=proposal.source)
             if k == 0:
                 run.stats.gated_steps += 1

@@ -317,7 +317,7 @@ class DiskTier:
 
     @classmethod
     def for_model(cls, lm: LoadedModel, root: Path | None = None, budget_bytes: int | None = None) -> "DiskTier":
-        from . import fetch
+        from .. import fetch
 
         return cls(root or fetch.cache_dir() / "prefix", model_identity(lm), budget_bytes)
 
