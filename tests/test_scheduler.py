@@ -89,3 +89,32 @@ def test_worker_survives_a_client_loop_that_closed():
         counting.release.set()
         scheduler.stop()
     assert events[-1].finish_reason == "length" and len(events[-1].tokens) == 2
+
+
+def test_a_waiting_job_is_not_starved_by_interactive_ones(monkeypatch):
+    """Ghost text jumps the queue, but a job that has waited STARVE_S runs next: editors typing
+    must not keep an agent's chat waiting for minutes. The queue is ordered by hand (the worker is
+    not started), with the clock moved instead of waited on."""
+    import time
+
+    from warmspec.server import scheduler as sch
+
+    s = Scheduler(tiny_engine(tiny.build("llama")))
+    now = [1000.0]
+    monkeypatch.setattr(sch.time, "perf_counter", lambda: now[0])
+
+    async def scenario():
+        chat = s.submit(job())
+        ghosts = [s.submit(Job(prompt=PROMPT, params=SamplingParams(), max_tokens=2,
+                               priority=sch.PRIORITY_INTERACTIVE)) for _ in range(3)]
+        with s._cv:
+            first = s._take()
+        assert first is ghosts[0]  # interactive first while the chat has not waited long
+        now[0] += sch.STARVE_S
+        with s._cv:
+            second = s._take()
+        assert second is chat  # it waited STARVE_S behind them: its turn
+        with s._cv:
+            assert s._take() is ghosts[1]
+
+    asyncio.run(scenario())

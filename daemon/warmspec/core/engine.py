@@ -161,7 +161,7 @@ class Engine:
         drafting: str | None = None,
     ):
         self.lm = lm
-        self.model = lm.model
+        self._model = lm.model
         self.tokenizer = lm.tokenizer
         self.speculate = speculate
         self.max_draft = max_draft
@@ -179,7 +179,7 @@ class Engine:
         # fused Metal kernel), else restore and replay the accepted tokens.
         self.capture = (recurrent_rollback == "capture" and has_recurrent(self.live.cache)
                         and hybrid.supports(self.model) and hybrid.capture_exact(self.model))
-        self.target = Target(self.model, capture=self.capture)
+        self.target = Target(self._model, capture=self.capture)
         # Which guess source drafts: "ngram" (the conversation, files read, recent answers),
         # "mtp" (the model's MTP head) or "draft" (a draft model); by default the model drafter
         # when one is loaded.
@@ -499,12 +499,21 @@ class Engine:
                                    lambda: len(self.cache_tokens))
         return ngram
 
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, model) -> None:
+        """The model the step runs (tests wrap it); the target pass follows."""
+        self._model = model
+        self.target = Target(model, capture=self.capture) if model is not None else None
+
     def set_model(self, model) -> None:
         """Swap the weights: None frees them (idle unload), then the same model loaded again. The
         target pass and an MTP head (which holds the target's embedding, norm and output head by
         reference) follow, so nothing keeps the old weights alive."""
         self.model = self.lm.model = model
-        self.target = Target(model, capture=self.capture) if model is not None else None
         if self.mtp is not None:
             self.mtp.retarget(model)
 

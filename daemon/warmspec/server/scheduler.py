@@ -4,7 +4,8 @@ Transports submit ``Job``s and iterate the returned ``Ticket`` for events (``Del
 ``Finished``). The worker decodes one job at a time, because on one device interleaving two
 decodes only makes both slower, and it keeps the engine's single live cache -- and with it the
 prefix cache and the n-gram state -- coherent. Interactive jobs (inline completions) jump the
-queue. Cancelling a ticket stops its job within one prefill chunk or decode step; a job cancelled
+queue -- but not forever: a job that has waited ``STARVE_S`` runs next whatever keeps arriving
+ahead of it (three editors typing kept agents' chats waiting for minutes in a soak run). Cancelling a ticket stops its job within one prefill chunk or decode step; a job cancelled
 while queued never runs.
 """
 
@@ -30,6 +31,9 @@ log = logging.getLogger("warmspec.scheduler")
 
 PRIORITY_INTERACTIVE = 0
 PRIORITY_NORMAL = 10
+# A queued job waiting this long runs before jobs of higher priority that arrived after it. Ghost
+# text asks on every keystroke; without a bound, editors typing starve an agent's chat.
+STARVE_S = 2.0
 
 
 class Job(msgspec.Struct, kw_only=True):
@@ -165,9 +169,23 @@ class Scheduler:
                 if self._stopping:
                     return None
                 if self._heap:
-                    self.active = heapq.heappop(self._heap)[2]
+                    self.active = self._take()
                     return self.active
             idle.idle()  # idle past the keep-alive: unload, outside the lock (submit never waits)
+
+    def _take(self) -> Ticket:
+        """The next job: the highest priority, first come first served -- unless one has waited
+        ``STARVE_S`` behind jobs that jumped it: then the one that waited longest. Under the lock."""
+        top = self._heap[0][2]
+        now = time.perf_counter()
+        starved = [e for e in self._heap if e[2].job.priority > top.job.priority
+                   and now - e[2].submitted >= STARVE_S]
+        if not starved:
+            return heapq.heappop(self._heap)[2]
+        entry = min(starved, key=lambda e: e[1])
+        self._heap.remove(entry)
+        heapq.heapify(self._heap)
+        return entry[2]
 
     def _work(self) -> None:
         while (ticket := self._next()) is not None:
