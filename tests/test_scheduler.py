@@ -118,3 +118,21 @@ def test_a_waiting_job_is_not_starved_by_interactive_ones(monkeypatch):
             assert s._take() is ghosts[1]
 
     asyncio.run(scenario())
+
+
+def test_cancelled_queued_tickets_leave_the_queue_and_are_answered():
+    """Superseded ghost text must not fill the queue behind a long job: cancelled tickets are
+    dropped at the next submission, each answered with Finished('cancelled')."""
+    s = Scheduler(tiny_engine(tiny.build("llama")), max_queue=4)
+
+    async def scenario():
+        dead = [s.submit(job()) for _ in range(4)]
+        for t in dead:
+            t.cancel()
+        alive = [s.submit(job()) for _ in range(4)]  # the queue had room once the dead were gone
+        assert s.queue_depth == 4
+        finished = [await until_finished(t) for t in dead]
+        assert all(ev[-1].finish_reason == "cancelled" for ev in finished)
+        return alive
+
+    asyncio.run(scenario())

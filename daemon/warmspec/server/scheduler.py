@@ -149,11 +149,25 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise Busy("the daemon is shutting down")
+            gone = self._drop_cancelled()
             if len(self._heap) >= self.max_queue:
                 raise Busy(f"queue full ({self.max_queue} requests waiting)")
             heapq.heappush(self._heap, (job.priority, next(self._seq), ticket))
             self._cv.notify()
+        for t in gone:
+            t._push(_cancelled(t.job))
         return ticket
+
+    def _drop_cancelled(self) -> list[Ticket]:
+        """Take the cancelled tickets out of the queue (under the lock). Ghost text is superseded on
+        every keystroke: left queued behind one long prefill, three typing editors filled the
+        256-slot queue with dead tickets and every other request was refused as busy (soak)."""
+        if not any(t.cancelled.is_set() for _, _, t in self._heap):
+            return []
+        gone = [t for _, _, t in self._heap if t.cancelled.is_set()]
+        self._heap = [e for e in self._heap if not e[2].cancelled.is_set()]
+        heapq.heapify(self._heap)
+        return gone
 
     # -- worker ---------------------------------------------------------------------------------
 
