@@ -146,3 +146,19 @@ def test_ngram_and_mtp_together_pick_per_step(tmp_path):
     # the position-wise target's answer soon cycles: then the n-gram match, long and trusted, is
     # taken without asking the head
     assert stats.sources["mtp"].accepted > 0 and stats.sources["request"].accepted > 50
+
+
+def test_tapping_the_hidden_state_adds_no_parameter():
+    """The tap keeps the last hidden state outside the module tree: as an array attribute it was
+    a parameter, and the model's size (the memory check's figure) grew by one position's state."""
+    from mlx.utils import tree_flatten
+    from warmspec.core.target import Target
+
+    lm = tiny.build("llama")
+    size = lambda: sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))  # noqa: E731
+    before = size()
+    target = Target(lm.model)
+    target.tap_hidden()
+    mx.eval(lm.model(mx.array([random_tokens(8, seed=1)])))
+    assert target._tap.last is not None
+    assert size() == before

@@ -28,17 +28,31 @@ class Pass(NamedTuple):
     inputs: mx.array  # (positions,)
 
 
+class _Slot:
+    """Holds the last output outside the module's tree: an array attribute of an ``nn.Module``
+    is a parameter (it was counted in the model's size and would be saved with its weights)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value: mx.array | None = None
+
+
 class _Tap(nn.Module):
     """Wraps the model's final norm to keep its output: the hidden state drafters condition on."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
         self.norm = norm
-        self.last: mx.array | None = None
+        self.out = _Slot()
+
+    @property
+    def last(self) -> mx.array | None:
+        return self.out.value
 
     def __call__(self, x: mx.array) -> mx.array:
-        self.last = self.norm(x)
-        return self.last
+        self.out.value = self.norm(x)
+        return self.out.value
 
 
 def _inner(model: nn.Module) -> nn.Module:
