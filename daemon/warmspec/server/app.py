@@ -20,6 +20,7 @@ from ..engine import Engine, EngineError
 from ..model import LoadedModel
 from ..tokenizer import Tokenizer
 from ..workspace import UnreadableFile, Workspace, WorkspaceError
+from .feedback import InlineMetrics
 from .scheduler import PRIORITY_NORMAL, Busy, Job, Scheduler
 
 log = logging.getLogger("warmspec.app")
@@ -67,6 +68,7 @@ class App:
         self.workspace = Workspace(workspace_roots, lm.tokenizer)
         self.scheduler = Scheduler(engine, workspace=self.workspace)
         self.started = time.time()
+        self.inline = InlineMetrics()  # ghost text's timings and feedback (owned by the event loop)
         # Measured once here: a prompt longer than this cannot fit, whatever its tokens.
         self.max_prompt_chars = lm.context_length * longest_token_chars(lm.tokenizer) if lm.context_length else None
 
@@ -207,4 +209,5 @@ class App:
                       totals=self.engine.totals,
                       workspace_files=len(ws.files), workspace_bytes=ws.nbytes,
                       workspace_roots=[str(r) for r in ws.roots], pid=os.getpid(),
-                      prefix_cache=self.engine.prefix_stats(), engine_resets=self.engine.resets)
+                      prefix_cache=self.engine.prefix_stats(), engine_resets=self.engine.resets,
+                      inline=self.inline.status())

@@ -91,13 +91,15 @@ class GhostText:
         self.cache = CompletionCache()
         self.fim = fim_markers(app.lm.tokenizer)
 
-    def window(self, uri: str, source: str, offset: int, settings: InlineCompletionSettings) -> Window:
-        """The window at ``offset`` of document ``uri``. Mid-line a suggestion finishes the line;
-        at a line's end it may run to a blank line."""
+    def window(self, uri: str, source: str, offset: int, settings: InlineCompletionSettings,
+               max_tokens: int | None = None) -> Window:
+        """The window at ``offset`` of document ``uri``, for a suggestion of ``max_tokens`` (the
+        settings' when None). Mid-line a suggestion finishes the line; at a line's end it may run
+        to a blank line."""
         prefix, suffix = cursor_context(source, offset, settings.prefix_chars, settings.suffix_chars)
         stop = ("\n",) if suffix.split("\n", 1)[0].strip() else ("\n\n",)
         return Window(uri=uri, prefix=prefix, suffix=suffix, model=self.app.lm.name,
-                      max_tokens=settings.max_tokens, stop=stop)
+                      max_tokens=max_tokens or settings.max_tokens, stop=stop)
 
     def prompt_text(self, w: Window) -> str:
         """The model continues the prefix (given the suffix too, when it knows fill-in-the-middle)."""
@@ -106,11 +108,13 @@ class GhostText:
         pre, suf, mid = self.fim
         return f"{pre}{w.prefix}{suf}{w.suffix}{mid}"
 
-    def job(self, w: Window, *, label: str) -> Job:
-        """The job for ``w``. Tokenizes the window: call it off the event loop. Raises
-        ``EngineError`` for a prompt the engine refuses."""
+    def job(self, w: Window, *, label: str, temperature: float = 0.0, seed: int | None = None) -> Job:
+        """The job for ``w``: greedy (cacheable), or sampled at ``temperature`` with ``seed`` for
+        alternatives. Tokenizes the window: call it off the event loop. Raises ``EngineError`` for a
+        prompt the engine refuses."""
         app = self.app
-        return app.job(app.text_prompt(self.prompt_text(w)), app.sampling(temperature=0.0),
+        params = app.sampling(temperature=temperature, seed=seed) if temperature else app.sampling(temperature=0.0)
+        return app.job(app.text_prompt(self.prompt_text(w)), params,
                        max_tokens=w.max_tokens, stop=list(w.stop), priority=PRIORITY_INTERACTIVE, label=label)
 
 
