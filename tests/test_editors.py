@@ -14,6 +14,7 @@ import pytest
 from lsprotocol import types as lsp
 from pygls.exceptions import JsonRpcException
 
+from warmspec import replay
 from warmspec.client import Client, RpcError
 from warmspec.server import nextedit
 from warmspec.server.feedback import InlineMetrics, Suggestion, Tuner
@@ -415,3 +416,35 @@ def test_tuning_follows_what_is_accepted():
     for _ in range(8):
         t.outcomes.append(0)
     assert t.max_tokens(48) == 4 and t.debounce_ms(100) == 150
+
+
+# -- the typing replay --------------------------------------------------------------------------
+
+
+def test_replay_accepts_whole_right_words_and_types_the_rest():
+    assert replay.accepted_prefix("x + 1)", "x + 2)") == 3  # "x", " +"; not " 1"
+    assert replay.accepted_prefix("return x", "return x\n") == 8
+    assert replay.accepted_prefix("retur", "return") == 5  # a word cut short is still right
+    assert replay.accepted_prefix("y", "x") == 0
+    text = "a = 1\n    b\n"
+    keys = replay.keystrokes(text, 0, len(text) - 1)
+    assert [k[1] for k in keys] == ["a", " ", "=", " ", "1", "\n    ", "b"]  # the editor indents
+    assert keys[0][2] == replay.PACE["line"] and keys[1][2] == replay.PACE["word"]
+    assert keys[2][2] == replay.PACE["blank"]
+    assert replay.resync(keys, 7) == 5 and keys[5] == (7, "   ", replay.PACE["word"])  # cut after "\n "
+
+
+def test_a_short_replay_types_the_file_through_the_protocol():
+    """Two lines retyped on a tiny model, both sides: the document ends as the file, every request
+    is accounted for, and the daemon counted the session's tokens."""
+    lm = tiny.build("llama")
+    text = replay.DEFAULT_FILE.read_text()
+    start, end = replay.span(text, (30, 30))
+    side = replay.run_side(lm, text, start, end, adapt=True, budget_ms=100)
+    assert side.text_ok and side.typed_chars + side.accepted_chars == end - start
+    assert side.requests and all(r.outcome in ("answered", "cancelled", "late") for r in side.requests)
+    assert side.tokens_generated > 0 and side.model_s > 0
+    answered = [r for r in side.requests if r.outcome == "answered"]
+    assert all(r.final_ms is not None and r.finish in ("stop", "length", "deadline", "cache") for r in answered)
+    md = replay.report([side], "sampling.py", (30, 30), lm.name)
+    assert "characters accepted per second of model time" in md

@@ -109,7 +109,8 @@ class InlineMetrics:
         c = self.counts
         if first_visible_s is not None:
             self.first_visible.append(first_visible_s)
-        self.final.append(final_s)
+        if finish != "empty":  # nothing to continue: answered at once, and no suggestion's latency
+            self.final.append(final_s)
         c.tokens_generated += tokens
         if finish == "cache":
             c.cache_hits += 1
