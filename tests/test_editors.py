@@ -19,6 +19,7 @@ from warmspec.client import Client, RpcError
 from warmspec.server import nextedit
 from warmspec.server.feedback import InlineMetrics, Suggestion, Tuner
 from warmspec.server.http import Context
+from warmspec.server.inline import cursor_context
 from warmspec.workspace import PRIORITY_OPEN
 from warmspec_protocol import rpc as wire
 from warmspec_protocol.rpc import ErrorCode
@@ -200,6 +201,18 @@ def test_a_newer_keystroke_cancels_the_running_request_at_once(d):
     outcomes, cancelled = asyncio.run(scenario())
     assert outcomes == [ErrorCode.CONTENT_MODIFIED, ErrorCode.REQUEST_CANCELLED]
     assert cancelled == 2
+
+
+def test_the_window_of_a_long_file_keeps_its_start_while_typing_goes_on():
+    """In a file longer than the window, typing line after line keeps the prompt's start (so the
+    engine's cached prefill) for 512 characters at a time; the window never exceeds its budget."""
+    text = "".join(f"value_{i} = compute({i}, scale=2)\n" for i in range(400))
+    starts = []
+    for offset in range(6000, 7000, 37):
+        prefix, _ = cursor_context(text, offset, 4096, 0)
+        assert 4096 - 512 - 40 <= len(prefix) <= 4096 and text[:offset].endswith(prefix)
+        starts.append(offset - len(prefix))
+    assert len(set(starts)) <= 3  # a new start every 512 characters, not every line (27 here)
 
 
 # -- 2. the time budget ----------------------------------------------------------------------------

@@ -19,10 +19,20 @@ from .app import App
 from .scheduler import PRIORITY_INTERACTIVE, Job
 
 
+# Where a window cut from a long document starts moves in steps of prefix_chars / 8 (512 of the
+# default 4096 characters), not with every line typed. The prompt then keeps its beginning -- and
+# the engine its cached prefill -- while the cursor moves on: with a start one line behind the
+# cursor's budget, every line typed in a file longer than the window changed the prompt's first
+# tokens and cost a prefill of the whole window (~1000 tokens of the default model).
+ANCHOR_STEPS = 8
+
+
 def cursor_context(text: str, offset: int, prefix_chars: int, suffix_chars: int) -> tuple[str, str]:
     """The text before and after the cursor within the budget, cut at line boundaries so the
-    model never starts mid-line."""
-    start = max(0, offset - prefix_chars)
+    model never starts mid-line. The start moves in steps (``ANCHOR_STEPS``), so the window holds
+    between 7/8 of ``prefix_chars`` and all of it."""
+    step = max(1, prefix_chars // ANCHOR_STEPS)
+    start = max(0, -(-(offset - prefix_chars) // step) * step)
     if start > 0 and (nl := text.find("\n", start, offset)) != -1:
         start = nl + 1
     end = min(len(text), offset + suffix_chars)
