@@ -325,7 +325,7 @@ async function provideGhost(document: vscode.TextDocument, position: vscode.Posi
     });
   }
   let stream = ghost.find(place);
-  if (!stream) {
+  if (!stream || stream.error !== undefined) { // none here yet, or it failed: ask (again)
     ghost.cancelCurrent();
     if (ctx.triggerKind === vscode.InlineCompletionTriggerKind.Automatic) {
       await sleep(ghost.debounceMs(), token);

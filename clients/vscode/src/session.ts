@@ -271,6 +271,13 @@ export function formatStatus(s: Status): string[] {
     }
     lines.push(line);
   }
+  const g = s.inline;
+  if (g && g.requests > 0) {
+    const a = g.acceptance;
+    lines.push(`ghost text: ${g.requests} requests (${g.cancelled} cancelled), first visible ` +
+      `${g.first_visible.p50_ms.toFixed(0)} ms, final ${g.final.p50_ms.toFixed(0)} ms (medians); ` +
+      `${a.accepted} of ${a.shown} shown accepted, ${a.partial} in part`);
+  }
   lines.push(`workspace: ${s.workspace_files} files indexed`);
   return lines;
 }
