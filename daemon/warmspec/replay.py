@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import itertools
 import math
+import os
 import re
 import shutil
 import statistics
@@ -44,6 +45,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from warmspec_protocol import SamplingParams
 from warmspec_protocol import rpc as wire
 
 DEFAULT_FILE = Path(__file__).with_name("sampling.py")
@@ -80,6 +82,8 @@ class Side(msgspec.Struct, kw_only=True):
     tokens_generated: int = 0
     tokens_thrown_away: int = 0
     wall_s: float = 0.0
+    plain_tok_s: float = 0.0  # plain greedy decode just before, on the same engine: how busy the CPU was
+    load_avg: float = 0.0  # the 1-minute load average at the end
     text_ok: bool = False  # the document ended as the file
     requests: list[Request] = []
 
@@ -327,7 +331,11 @@ def run_side(lm, text: str, start: int, end: int, *, adapt: bool, budget_ms: int
     try:
         path = tmp / "typed.py"
         path.write_text(text)
-        app = App(lm, Engine(lm, cost_cache=default_cost_cache(lm)), workspace_roots=[tmp])
+        engine = Engine(lm, cost_cache=default_cost_cache(lm))
+        for event in engine.generate(lm.tokenizer.encode(text[:start][-400:]), SamplingParams(),
+                                     max_tokens=16, speculate=False):
+            plain = event
+        app = App(lm, engine, workspace_roots=[tmp])
         app.start()
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -336,10 +344,13 @@ def run_side(lm, text: str, start: int, end: int, *, adapt: bool, budget_ms: int
         port = asyncio.run_coroutine_threadsafe(service.serve_tcp("127.0.0.1", 0), loop).result(60)
         try:
             totals = app.engine.totals
-            return asyncio.run(type_session(
+            side = asyncio.run(type_session(
                 port, text, start, end, path.as_uri(), adapt=adapt, budget_ms=budget_ms,
                 engine_seconds=lambda: totals.prefill_s + totals.decode_s,
                 inline_counts=lambda: (app.inline.counts.tokens_generated, app.inline.counts.tokens_thrown_away)))
+            side.plain_tok_s = plain.stats.decode_tok_s
+            side.load_avg = os.getloadavg()[0]
+            return side
         finally:
             asyncio.run_coroutine_threadsafe(service.close(), loop).result(60)
             app.stop()
@@ -397,6 +408,8 @@ def report(sides: list[Side], file: str, lines: tuple[int, int], lm_name: str) -
         ("suggestion length at the end (maxTokens) / advised debounce ms",
          col(lambda s: (lambda a: f"{a[-1].max_tokens} / {a[-1].debounce_ms}" if a else "-")(answered_(s)))),
         ("session wall time, s", col(lambda s: f"{s.wall_s:.0f}")),
+        ("plain greedy decode just before, tok/s / load average after",
+         col(lambda s: f"{s.plain_tok_s:.1f} / {s.load_avg:.1f}")),
         ("document ends as the file", col(lambda s: "yes" if s.text_ok else "NO")),
     ]
     budget = sides[0].budget_ms
