@@ -241,12 +241,41 @@ def test_the_deadline_answers_with_the_text_so_far(d):
     assert whole.items[0].insert_text.startswith(cut_text)
     assert d.app.inline.counts.deadline == before + 1
     assert bad.error.code == ErrorCode.INVALID_PARAMS and "deadlineMs" in bad.error.message
+    wait_until(lambda: d.app.scheduler.active is None, "the cut job to wind down")
 
     with raw_client(d, maxTokens=300, deadlineMs=1, stream=True) as c:
         raw_open(c, uri, text + "!")
         msg_id, _ = raw_inline(c, uri, text + "!")
         _, reply = read_until_reply(c, msg_id)
     assert msgspec.convert(reply.result, wire.InlineCompletionResult).warmspec.finish == "deadline"
+
+
+def test_the_deadline_answer_does_not_wait_for_the_job_to_stop(d, monkeypatch):
+    """A job stuck where it cannot stop (a long prefill): the request is still answered at its
+    deadline, the job winding down behind it -- and its tokens are counted once it has."""
+    import threading
+
+    release = threading.Event()
+    generate = d.app.engine.generate
+
+    def stuck(*args, **kwargs):
+        release.wait(60)  # the engine is busy and checks nothing meanwhile
+        yield from generate(*args, **kwargs)
+
+    monkeypatch.setattr(d.app.engine, "generate", stuck)
+    uri = (d.root / "stuck.py").as_uri()
+    text = SOURCE.replace("area", "speed")
+    with raw_client(d, maxTokens=8, stream=True) as c:
+        raw_open(c, uri, text)
+        msg_id, _ = raw_inline(c, uri, text, warmspec={"deadlineMs": 200})
+        try:
+            _, reply = read_until_reply(c, msg_id)
+            busy = d.app.scheduler.active is not None
+        finally:
+            release.set()
+    result = msgspec.convert(reply.result, wire.InlineCompletionResult)
+    assert result.warmspec.finish == "deadline" and result.items == [] and busy
+    wait_until(lambda: d.app.scheduler.active is None, "the job to wind down")
 
 
 # -- 3. next-edit suggestions ------------------------------------------------------------------------
@@ -415,6 +444,7 @@ def test_tuning_follows_what_is_accepted():
     for _ in range(8):  # suggestions of 40 characters in 10 tokens; 8 characters of each accepted
         s = Suggestion("file:///a.py", "python", "x" * 40, 10)
         m.answered(first_visible_s=0.05, final_s=0.1, text=s.text, tokens=10, finish="stop", language="python")
+        m.decoded(10)
         m.feedback(s, "shown", None)
         m.feedback(s, "partial", 8)
         m.feedback(s, "dismissed", None)

@@ -72,6 +72,7 @@ class Request(msgspec.Struct, kw_only=True):
 class Side(msgspec.Struct, kw_only=True):
     adapt: bool
     budget_ms: int | None
+    patient: bool = False
     typed_chars: int = 0  # typed by the user
     accepted_chars: int = 0  # inserted from suggestions
     shown: int = 0
@@ -186,7 +187,9 @@ def client_debounce_ms(adapt: bool, advised: int | None, gaps: list[float]) -> f
 
 async def type_session(port: int, text: str, start: int, end: int, uri: str, *, adapt: bool,
                        budget_ms: int | None, engine_seconds: Callable[[], float],
-                       inline_counts: Callable[[], tuple[int, int]]) -> Side:
+                       inline_counts: Callable[[], tuple[int, int]], patient: bool = False) -> Side:
+    """The session; ``patient``: the user waits for every keystroke's suggestion before the next
+    key (no debounce, nothing cancelled) -- each request's latency alone, as a latency probe."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     first_seen: dict[int, float] = {}
 
@@ -233,12 +236,13 @@ async def type_session(port: int, text: str, start: int, end: int, uri: str, *, 
         at, piece, gap = keys[k]
         assert at == pos, (at, pos)
         next_key = last_key + gap
-        debounce = client_debounce_ms(adapt, advised, gaps) / 1000
+        debounce = 0.0 if patient else client_debounce_ms(adapt, advised, gaps) / 1000
         if gap > debounce:
             await asyncio.sleep(max(0.0, last_key + debounce - time.perf_counter()))
             msg_id, fut, sent = ask()
             try:
-                env = await asyncio.wait_for(asyncio.shield(fut), max(0.0, next_key - time.perf_counter()))
+                wait = None if patient else max(0.0, next_key - time.perf_counter())
+                env = await asyncio.wait_for(asyncio.shield(fut), wait)
             except asyncio.TimeoutError:
                 conn.notify("$/cancelRequest", {"id": msg_id})  # the keystroke comes first
                 late = await fut
@@ -276,7 +280,8 @@ async def type_session(port: int, text: str, start: int, end: int, uri: str, *, 
                 if req.suggestion:
                     side.dismissed += 1
                     conn.notify("warmspec/inlineCompletionFeedback", {"id": msg_id, "event": "dismissed"})
-        await asyncio.sleep(max(0.0, next_key - time.perf_counter()))
+        if not patient:
+            await asyncio.sleep(max(0.0, next_key - time.perf_counter()))
         gaps = (gaps + [gap * 1000])[-8:] if gap < 1.0 else gaps
         doc = doc[:pos] + piece + doc[pos:]
         pos += len(piece)
@@ -321,7 +326,8 @@ def answered(env: wire.Envelope, sent: float, first_partial: float | None) -> Re
                    max_tokens=info.max_tokens, debounce_ms=info.debounce_ms)
 
 
-def run_side(lm, text: str, start: int, end: int, *, adapt: bool, budget_ms: int | None) -> Side:
+def run_side(lm, text: str, start: int, end: int, *, adapt: bool, budget_ms: int | None,
+             patient: bool = False) -> Side:
     """One side: a fresh engine and daemon around ``lm``, the session typed against it."""
     from .engine import Engine, default_cost_cache
     from .server.app import App
@@ -347,7 +353,8 @@ def run_side(lm, text: str, start: int, end: int, *, adapt: bool, budget_ms: int
             side = asyncio.run(type_session(
                 port, text, start, end, path.as_uri(), adapt=adapt, budget_ms=budget_ms,
                 engine_seconds=lambda: totals.prefill_s + totals.decode_s,
-                inline_counts=lambda: (app.inline.counts.tokens_generated, app.inline.counts.tokens_thrown_away)))
+                inline_counts=lambda: (app.inline.counts.tokens_generated, app.inline.counts.tokens_thrown_away),
+                patient=patient))
             side.plain_tok_s = plain.stats.decode_tok_s
             side.load_avg = os.getloadavg()[0]
             return side
@@ -387,7 +394,7 @@ def report(sides: list[Side], file: str, lines: tuple[int, int], lm_name: str) -
         return f"{statistics.median(xs):.0f} / {_q(xs, 0.9):.0f} / {max(xs):.0f}" if xs else "-"
 
     rows = [
-        ("adaptation", col(lambda s: "on" if s.adapt else "off")),
+        ("adaptation", col(lambda s: ("on" if s.adapt else "off") + (", patient typist" if s.patient else ""))),
         ("characters typed / accepted from suggestions", col(lambda s: f"{s.typed_chars} / {s.accepted_chars}")),
         ("suggestions shown: accepted / in part / dismissed",
          col(lambda s: f"{s.shown}: {s.accepted} / {s.partial} / {s.dismissed}")),
@@ -421,11 +428,12 @@ def report(sides: list[Side], file: str, lines: tuple[int, int], lm_name: str) -
 
 
 def run(lm, out: Path, *, file: Path = DEFAULT_FILE, lines: tuple[int, int] = DEFAULT_LINES,
-        budget_ms: int | None = 250) -> str:
+        budget_ms: int | None = 250, patient: bool = False) -> str:
     """Both sides, adaptation off then on; writes typing.json and typing.md into ``out``."""
     text = file.read_text()
     start, end = span(text, lines)
-    sides = [run_side(lm, text, start, end, adapt=adapt, budget_ms=budget_ms) for adapt in (False, True)]
+    sides = [run_side(lm, text, start, end, adapt=adapt, budget_ms=budget_ms, patient=patient)
+             for adapt in (False, True)]
     out.mkdir(parents=True, exist_ok=True)
     (out / "typing.json").write_bytes(msgspec.json.format(msgspec.json.encode(sides)))
     md = report(sides, file.name, lines, lm.name)
@@ -438,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file", type=Path, default=DEFAULT_FILE)
     p.add_argument("--lines", default="-".join(map(str, DEFAULT_LINES)), help="A-B, 1-based, inclusive")
     p.add_argument("--budget-ms", type=int, default=250, help="deadlineMs per suggestion (0: none)")
+    p.add_argument("--patient", action="store_true",
+                   help="the typist waits for each keystroke's suggestion (every request's latency alone)")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=Path("typing-out"))
     args = p.parse_args(argv)
@@ -447,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     from .model import load
 
     a, b = (int(x) for x in args.lines.split("-"))
-    print(run(load(args.model), args.out, file=args.file, lines=(a, b), budget_ms=args.budget_ms or None))
+    print(run(load(args.model), args.out, file=args.file, lines=(a, b), budget_ms=args.budget_ms or None,
+              patient=args.patient))
     return 0
 
 

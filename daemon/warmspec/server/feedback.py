@@ -111,7 +111,6 @@ class InlineMetrics:
             self.first_visible.append(first_visible_s)
         if finish != "empty":  # nothing to continue: answered at once, and no suggestion's latency
             self.final.append(final_s)
-        c.tokens_generated += tokens
         if finish == "cache":
             c.cache_hits += 1
         elif finish == "deadline":
@@ -125,8 +124,13 @@ class InlineMetrics:
         """A request ended before its answer (``$/cancelRequest``, superseded, its document edited):
         whatever it decoded is thrown away."""
         self.counts.cancelled += 1
-        self.counts.tokens_generated += tokens
         self.counts.tokens_thrown_away += tokens
+
+    def decoded(self, tokens: int, thrown_away: int = 0) -> None:
+        """A ghost-text job ended having decoded ``tokens``, ``thrown_away`` of them in no answer
+        (decoded after its deadline's answer)."""
+        self.counts.tokens_generated += tokens
+        self.counts.tokens_thrown_away += thrown_away
 
     # -- feedback -----------------------------------------------------------------------------------
 

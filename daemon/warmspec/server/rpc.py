@@ -45,6 +45,7 @@ from pygls.protocol import (JsonRPCNotification, JsonRPCRequestMessage, Language
                             default_converter, lsp_method)
 from pygls.workspace import TextDocument
 
+from warmspec_protocol import GenerationStats
 from warmspec_protocol import rpc as wire
 from warmspec_protocol.rpc import ErrorCode
 
@@ -213,6 +214,7 @@ class Connection(LanguageServer):
         self.closing = False
         self.settings = wire.InlineCompletionSettings()
         self.tickets: set[Ticket] = set()
+        self.winding: set[asyncio.Task] = set()  # cancelled jobs read to their end (run_job's deadline)
         self.inline: dict[str, asyncio.Task] = {}  # the running inline completion per document
         self.superseded: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
         # inline completion requests read but not yet handled: when they were read, their extras
@@ -431,20 +433,36 @@ class Connection(LanguageServer):
         cancellation is answered once it has: a client that then asks again, or asks for the
         status, finds the engine idle.
 
-        ``deadline`` (a ``time.perf_counter()`` time): the job is stopped then, and what it returns
-        is the text decoded so far (finish reason ``cancelled``). ``on_end`` sees the job's
-        ``Finished`` however it ended, this task's cancellation included (what it cost)."""
+        ``deadline`` (a ``time.perf_counter()`` time): then the job is told to stop and this
+        returns at once with the text decoded so far (finish reason ``cancelled``), while the job
+        winds down behind it -- the step or prefill under way is not waited for, so the answer
+        keeps the budget however busy the engine is. ``on_end`` sees the job's own ``Finished``
+        however it ended (what it cost), also after such an early return or this task's
+        cancellation."""
         try:
             ticket = self.app.scheduler.submit(job)
         except EngineError as e:
             raise RpcError(ErrorCode.BUSY, str(e)) from None
-        timer = None
-        if deadline is not None:
-            timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.perf_counter()), ticket.cancel)
         self.tickets.add(ticket)
+        text: list[str] = []
+        tokens: list[int] = []
+        handed_off = False
         try:
-            async for event in ticket:
+            while True:
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    ticket.cancel()
+                    self._wind_down(ticket, on_end)
+                    handed_off = True
+                    return Finished("cancelled", "".join(text), tokens,
+                                    GenerationStats(prompt_tokens=len(job.prompt), completion_tokens=len(tokens)))
+                try:
+                    event = await ticket.next_event(left)
+                except asyncio.TimeoutError:
+                    continue
                 if isinstance(event, Delta):
+                    text.append(event.text)
+                    tokens.extend(event.tokens)
                     if on_delta is not None:
                         on_delta(event)
                 elif isinstance(event, Finished):
@@ -454,17 +472,31 @@ class Connection(LanguageServer):
                 else:
                     code = ErrorCode.INVALID_PARAMS if event.client_error else ErrorCode.INTERNAL_ERROR
                     raise RpcError(code, event.message)
-            raise AssertionError("a ticket ended without Finished or JobError")
         finally:
-            if timer is not None:
-                timer.cancel()
-            self.tickets.discard(ticket)
-            if not ticket.done:
-                ticket.cancel()
-                if self.app.scheduler.active is ticket:  # a queued job just never runs
-                    async for event in ticket:
-                        if isinstance(event, Finished) and on_end is not None:
-                            on_end(event)
+            if not handed_off:
+                self.tickets.discard(ticket)
+                if not ticket.done:
+                    ticket.cancel()
+                    if self.app.scheduler.active is ticket:  # a queued job just never runs
+                        async for event in ticket:
+                            if isinstance(event, Finished) and on_end is not None:
+                                on_end(event)
+
+    def _wind_down(self, ticket: Ticket, on_end: Callable[[Finished], None] | None) -> None:
+        """Read a cancelled ticket to its end in the background (it stays in ``tickets`` until
+        then, so a hang-up still reaches it), giving its ``Finished`` to ``on_end``."""
+
+        async def drain() -> None:
+            try:
+                async for event in ticket:
+                    if isinstance(event, Finished) and on_end is not None:
+                        on_end(event)
+            finally:
+                self.tickets.discard(ticket)
+
+        task = asyncio.ensure_future(drain())
+        self.winding.add(task)
+        task.add_done_callback(self.winding.discard)
 
     # -- inline completion ----------------------------------------------------------------------------
 
@@ -698,9 +730,13 @@ async def suggest_inline(ls: Connection, msg_id: wire.RequestId, params: lsp.Inl
                 ls.protocol.notify(PARTIAL, wire.InlineCompletionPartialParams(id=msg_id, uri=uri, position=where,
                                                                                text=so_far))
 
+        answer_tokens: int | None = None  # set once answered: a job winding down after its deadline
+
         def on_end(fin: Finished) -> None:
             nonlocal tokens
             tokens = fin.stats.completion_tokens
+            late = 0 if answer_tokens is None else max(0, tokens - answer_tokens)
+            metrics.decoded(tokens, late)
 
         budget_ms = extras.deadline_ms if extras is not None and extras.deadline_ms else settings.deadline_ms
         deadline = received + budget_ms / 1000 if budget_ms else None
@@ -720,6 +756,7 @@ async def suggest_inline(ls: Connection, msg_id: wire.RequestId, params: lsp.Inl
                                "this document replaced this one") from None
             raise
         text = fin.text
+        tokens = answer_tokens = fin.stats.completion_tokens
         if fin.finish_reason == "cancelled":  # the deadline: what it has, not cached (it is cut short)
             finish = "deadline"
         else:
@@ -791,6 +828,7 @@ async def alternatives(ls: Connection, params: wire.AlternativesParams) -> wire.
             except EngineError as e:
                 raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
             text, tokens = fin.text, fin.stats.completion_tokens
+            ls.app.inline.decoded(tokens)
             if seed is None:
                 ghost.cache.store(window, text)
         if text.strip() and text.rstrip() not in seen:
