@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,11 @@ def run_smoke(tmp_path: Path, server_cmd: list[str]) -> dict:
     source = tmp_path / "example.py"
     source.write_text(SOURCE)
     out = tmp_path / "out.json"
-    env = dict(os.environ, WARMSPEC_RUNTIME_DIR=str(tmp_path / "rt"))  # the test's own daemon
+    from warmspec.fetch import cache_dir
+
+    # The test's own daemon; the user's model cache (XDG_CACHE_HOME moves below, and the default
+    # model would be downloaded again, for a minute, into the test's directory).
+    env = dict(os.environ, WARMSPEC_RUNTIME_DIR=str(tmp_path / "rt"), WARMSPEC_CACHE=str(cache_dir()))
     for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
         env[var] = str(tmp_path / var.lower())  # lsp.log and friends stay in the test's directory
     env.update(WARMSPEC_TEST_CMD=json.dumps(server_cmd), WARMSPEC_TEST_FILE=str(source),
@@ -89,6 +94,71 @@ def test_ghost_text_shows_as_extmark_and_tab_accepts_it(smoke):
     lines = "\n".join(res["lines_after_accept"])
     assert lines == SOURCE + "    return fib" + ghost["text"]
     assert res["ghost_after_accept"] is False and res["extmarks_after_accept"] == 0
+
+
+def test_ghost_text_grows_as_it_streams(smoke):
+    """The suggestion shows while it decodes: at least two partial renders, each longer than the
+    one before, before the final one, which is the last partial's text."""
+    res, tmp = smoke
+    stream = res.get("stream") or {}
+    renders = stream.get("renders") or []
+    assert renders and renders[-1]["kind"] == "final", f"{renders}\n{lsp_log(tmp)}"
+    partials = [r["text"] for r in renders if r["kind"] == "partial"]
+    assert len(partials) >= 2, renders
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(partials, partials[1:])), partials
+    assert renders[-1]["text"] == stream["final"] and stream["final"].startswith(partials[-1])
+
+
+def test_a_keystroke_cancels_the_running_suggestion(smoke):
+    """A key typed at the first partial of a suggestion: the daemon counts the request cancelled."""
+    res, _ = smoke
+    assert res["cancel_typed"], "no partial arrived to type over"
+    assert res["cancelled_after"] >= res["cancelled_before"] + 1, res
+
+
+NEXT_WORD = re.compile(r"\s*(?:[A-Za-z0-9_]+|[^A-Za-z0-9_\s]+)")
+
+
+def test_partial_accept_inserts_exactly_the_next_word(smoke):
+    """<M-Right> inserts the suggestion's next word (with its leading blanks) and leaves the rest
+    shown; <Tab> then inserts the rest."""
+    res, _ = smoke
+    p = res["partial"]
+    ghost = p.get("ghost")
+    assert ghost, p
+    word = NEXT_WORD.match(ghost).group(0)
+    assert p["after_word"] == p["before"] + word, (ghost, word)
+    assert p["rest"] == ghost[len(word):]
+    assert p["after_tab"] == p["before"] + ghost
+
+
+def test_alternatives_show_another_suggestion(smoke):
+    res, _ = smoke
+    alt = res["alternatives"]
+    assert alt.get("index", 0) >= 1 and alt["shown"] != alt["first"], alt
+
+
+def test_next_edit_renames_the_other_call_sites(smoke):
+    """One call site renamed by hand (cw): the next edit marks the nearest other call site, <M-n>
+    applies it and the last call site is marked next."""
+    res, tmp = smoke
+    ne = res["next_edit"]
+    shown = [e for e in ne["trace"] if e["kind"] == "shown"]
+    assert ne["first"] and ne["second"], f"{ne}\n{lsp_log(tmp)}"
+    assert [e["row"] for e in shown[:2]] == [5, 6], ne["trace"]
+    assert all((e["old"], e["text"], e["kind_of_edit"]) == ("fetch_rows", "load_rows", "rename") for e in shown)
+    assert ne["lines"][4:7] == ['users = load_rows(db, "users")', 'orders = load_rows(db, "orders")',
+                                'items = load_rows(db, "items")'], ne["lines"]
+
+
+def test_feedback_reaches_the_daemon(smoke):
+    """The plugin reports what became of its suggestions: the status counts them per document."""
+    res, tmp = smoke
+    inline = res["status"]["inline"]
+    doc = inline["documents"][(tmp / "example.py").as_uri()]
+    assert doc["shown"] >= 3 and doc["accepted"] >= 2 and doc["partial"] >= 1, doc
+    assert inline["languages"]["python"]["chars_accepted"] >= doc["chars_accepted"] > 0
+    assert inline["first_visible"]["count"] >= 1
 
 
 def test_ask_streams_into_a_scratch_buffer_with_a_summary(smoke):

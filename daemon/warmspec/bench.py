@@ -898,7 +898,8 @@ def add_parser(subparsers) -> None:
                         "prefix states saved to disk: time to first token after a daemon restart")
     p.add_argument("--probe", action="append", default=[], choices=probes.PROBES,
                    help="also measure: blas (decode on OpenBLAS vs MLX's bundled BLAS), rollback "
-                        "(hybrid per-position capture vs replay); writes DIR/probes.md")
+                        "(hybrid per-position capture vs replay), typing (ghost text over a scripted "
+                        "typing session, feedback adaptation off and on: DIR/typing.md); writes DIR/probes.md")
     p.set_defaults(func=run)
 
 

@@ -31,7 +31,7 @@ from .core import GenerationStats, SamplingParams
 from . import blas
 from .core.drafter import Proposal
 
-PROBES = ("blas", "rollback")
+PROBES = ("blas", "rollback", "typing")
 DECODE_TOKENS = 64
 REPEATS = 3
 
@@ -215,6 +215,10 @@ def run(names: Sequence[str], out: Path, lm, model: str | None) -> str:
     (out / "probes.json").write_bytes(msgspec.json.format(msgspec.json.encode(
         {"blas": blas_probe, "rollback": rollback})))
     text = report(blas_probe, rollback)
+    if "typing" in names:  # ghost text over a scripted typing session: replay.py (typing.md / .json)
+        from . import replay
+
+        text += "\n## Typing session\n\n" + replay.run(lm, out)
     (out / "probes.md").write_text(text)
     return text
 

@@ -95,6 +95,17 @@ class InlineCompletionSettings(Struct, kw_only=True, forbid_unknown_fields=True,
     prefix_chars: Annotated[int, Meta(ge=0, le=1 << 20)] = 4096
     suffix_chars: Annotated[int, Meta(ge=0, le=1 << 20)] = 1024
     max_tokens: Annotated[int, Meta(ge=1, le=512)] = 48
+    # Streamed ghost text: ``warmspec/inlineCompletionPartial`` while the suggestion decodes, and
+    # the ``warmspec`` field (InlineCompletionInfo) in the final result. Off for a client that
+    # does not ask: it gets LSP's result and nothing else.
+    stream: bool = False
+    # Every request's time budget, from the moment the daemon reads it: the answer is the text
+    # decoded by then (a request's own ``warmspec.deadlineMs`` wins). None: no budget.
+    deadline_ms: Annotated[int, Meta(ge=1, le=60_000)] | None = None
+    # The client's debounce; the debounce the daemon advises (InlineCompletionInfo) scales it.
+    debounce_ms: Annotated[int, Meta(ge=0, le=5_000)] = 150
+    # Suggestion length and advised debounce follow the feedback (per language); off: fixed.
+    adapt: bool = True
 
 
 class InitializationOptions(Struct, kw_only=True, forbid_unknown_fields=True, rename="camel",
@@ -212,6 +223,139 @@ class GenerateResult(Struct, kw_only=True):
     ttft_s: float
 
 
+# -- ghost text: streaming, budget, feedback, alternatives, next edits ----------------------------
+
+
+class Position(Struct, kw_only=True):
+    """LSP's: a zero-based line and a character offset in the connection's position encoding
+    (UTF-16 code units unless the client negotiated another)."""
+
+    line: Annotated[int, Meta(ge=0)]
+    character: Annotated[int, Meta(ge=0)]
+
+
+class Range(Struct, kw_only=True):
+    start: Position
+    end: Position
+
+
+class InlineCompletionExtras(Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
+    """The ``warmspec`` field a client may add to ``textDocument/inlineCompletion``'s params
+    (camelCase: it lives inside an LSP message): this request's time budget, in milliseconds
+    from the moment the daemon reads it."""
+
+    deadline_ms: Annotated[int, Meta(ge=1, le=60_000)] | None = None
+
+
+class InlineCompletionPartialParams(Struct, kw_only=True):
+    """``warmspec/inlineCompletionPartial`` (server to client, to clients that set
+    ``inlineCompletion.stream``): the suggestion so far for the inline completion request ``id``,
+    at ``position`` of ``uri``. ``text`` is the whole suggestion so far, not a delta: each partial
+    replaces the one before; the request's result is the final one."""
+
+    id: RequestId
+    uri: str
+    position: Position
+    text: str
+
+
+FinishKind = Literal["stop", "length", "deadline", "cache", "empty"]
+
+
+class InlineCompletionInfo(Struct, kw_only=True, rename="camel"):
+    """The ``warmspec`` field of the result of ``textDocument/inlineCompletion`` (clients that set
+    ``inlineCompletion.stream`` only): how the suggestion was made, and the debounce the daemon
+    advises from the acceptance of this language's suggestions. ``firstVisibleMs``: from reading
+    the request to the first partial with a non-blank character (null: none came); ``finalMs``:
+    to this answer. ``finish``: ``stop``, ``length`` (``maxTokens``, adapted), ``deadline`` (cut at
+    the budget), ``cache`` (no model run), ``empty`` (nothing to continue)."""
+
+    first_visible_ms: float | None
+    final_ms: float
+    tokens: int
+    finish: FinishKind
+    max_tokens: int  # the suggestion length this request was given (adapted to the feedback)
+    debounce_ms: int  # advised
+
+
+class InlineItem(Struct, kw_only=True, rename="camel"):
+    """LSP's InlineCompletionItem, as warmspec sends it: plain text, at an empty range."""
+
+    insert_text: str
+    range: Range
+
+
+class InlineCompletionResult(Struct, kw_only=True):
+    """LSP's InlineCompletionList with warmspec's ``warmspec`` field (streaming clients only; a
+    client that ignores it has LSP's result)."""
+
+    items: list[InlineItem]
+    warmspec: InlineCompletionInfo
+
+
+FeedbackEvent = Literal["shown", "accepted", "partial", "dismissed"]
+
+
+class InlineCompletionFeedbackParams(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``warmspec/inlineCompletionFeedback`` (notification): what became of a suggestion. ``id`` is
+    the request that produced it (``textDocument/inlineCompletion`` or ``warmspec/alternatives``,
+    whose items are told apart by ``index``). ``accepted_chars``: for ``partial``, characters of
+    the suggestion accepted so far (all of them for ``accepted``). Send ``shown`` when it is
+    drawn, then ``accepted``, ``partial`` (as often as the user accepts more) or ``dismissed``."""
+
+    id: RequestId
+    event: FeedbackEvent
+    accepted_chars: Annotated[int, Meta(ge=0)] | None = None
+    index: Annotated[int, Meta(ge=0)] = 0
+
+
+class AlternativesParams(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``warmspec/alternatives``: up to ``count`` different suggestions at ``position`` of an open
+    document: the greedy one first, then seeded samples at ``temperature``, duplicates dropped."""
+
+    uri: str
+    position: Position
+    count: Annotated[int, Meta(ge=1, le=8)] = 3
+    temperature: Annotated[float, Meta(gt=0.0, le=2.0)] = 0.8
+    seed: Annotated[int, Meta(ge=0, le=2**31)] = 0
+
+
+class Alternative(Struct, kw_only=True):
+    text: str
+    seed: int | None  # None: the greedy suggestion
+
+
+class AlternativesResult(Struct, kw_only=True):
+    items: list[Alternative]
+    range: Range  # where every item goes (empty, at the cursor)
+
+
+class NextEditParams(Struct, kw_only=True, forbid_unknown_fields=True):
+    """``warmspec/nextEdit``: the edit most likely to come next in an open document, from its recent
+    changes and the cursor."""
+
+    uri: str
+    position: Position
+
+
+class NextEdit(Struct, kw_only=True):
+    """Replace ``range`` with ``text``. ``kind``: ``rename`` (an identifier the last edit renamed,
+    at its nearest remaining occurrence) or ``repeat`` (the last edit's replacement, at the next
+    place that still has the text it replaced). ``old`` / ``new``: the pattern; ``remaining``:
+    occurrences left, this one included."""
+
+    range: Range
+    text: str
+    kind: Literal["rename", "repeat"]
+    old: str
+    new: str
+    remaining: int
+
+
+class NextEditResult(Struct, kw_only=True):
+    edit: NextEdit | None
+
+
 # -- introspection ---------------------------------------------------------------------------------
 
 
@@ -274,6 +418,17 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("warmspec/progress", ProgressParams, None,
                    "What the daemon does for a request before its first delta (a model reload).",
                    request=False, notification=True, to_client=True),
+        MethodSpec("warmspec/inlineCompletionPartial", InlineCompletionPartialParams, None,
+                   "The suggestion so far of a running textDocument/inlineCompletion (clients that "
+                   "set initializationOptions.inlineCompletion.stream).",
+                   request=False, notification=True, to_client=True),
+        MethodSpec("warmspec/inlineCompletionFeedback", InlineCompletionFeedbackParams, None,
+                   "What became of a suggestion: shown, accepted, partially accepted, dismissed.",
+                   request=False, notification=True),
+        MethodSpec("warmspec/alternatives", AlternativesParams, AlternativesResult,
+                   "Several different suggestions at a position: greedy, then seeded samples."),
+        MethodSpec("warmspec/nextEdit", NextEditParams, NextEditResult,
+                   "The next edit of a document, from its recent changes and the cursor."),
         MethodSpec("warmspec/status", NoParams, Status, "Model, queue, memory and cumulative statistics."),
         MethodSpec("warmspec/models", NoParams, ModelsResult, "The loaded model."),
         MethodSpec("warmspec/didRead", DidReadParams, DidReadResult,
@@ -292,5 +447,7 @@ LSP_NOTIFICATIONS: frozenset[str] = frozenset({
 SCHEMA_TYPES: tuple[type, ...] = (
     Envelope, Request, Notification, ErrorResponse, ErrorObject, InitializeParams, InitializeResult,
     InitializationOptions, CancelParams, ChatParams, CompleteParams, DeltaParams, ProgressParams,
-    GenerateResult, NoParams, ModelsResult, Status, DidReadParams, DidReadResult,
+    GenerateResult, NoParams, ModelsResult, Status, DidReadParams, DidReadResult, InlineCompletionExtras,
+    InlineCompletionPartialParams, InlineCompletionResult, InlineCompletionFeedbackParams,
+    AlternativesParams, AlternativesResult, NextEditParams, NextEditResult,
 )

@@ -18,6 +18,9 @@ __all__ = [
     "ModelInfo",
     "PrefixCacheStats",
     "MemoryStats",
+    "Acceptance",
+    "Latency",
+    "InlineStatus",
     "Status",
 ]
 
@@ -190,6 +193,57 @@ class MemoryStats(Struct, kw_only=True):
     mlx_cache_bytes: int = 0
 
 
+class Acceptance(Struct, kw_only=True):
+    """What became of the ghost-text suggestions of one document or language, as the editor
+    reported them (``warmspec/inlineCompletionFeedback``). ``partial``: accepted in part (next word,
+    next line); ``chars_accepted`` counts the characters of every full and partial accept."""
+
+    shown: int = 0
+    accepted: int = 0
+    partial: int = 0
+    dismissed: int = 0
+    chars_shown: int = 0
+    chars_accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Suggestions shown that were accepted, wholly or in part."""
+        return (self.accepted + self.partial) / self.shown if self.shown else 0.0
+
+
+class Latency(Struct, kw_only=True):
+    """Median and 90th percentile, in milliseconds, over the most recent requests (``count``)."""
+
+    count: int = 0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+
+
+class InlineStatus(Struct, kw_only=True):
+    """Ghost text since the daemon started. ``first_visible`` is the time from reading a request to
+    the first character of its suggestion a client can see (the first partial with a non-blank
+    character; the answer itself when it came from the cache), ``final`` to the answer. Requests
+    end ``cancelled`` (``$/cancelRequest``, a newer request or an edit of the document while it
+    ran), at their ``deadline`` (answered with the text so far), or with the whole suggestion.
+    ``tokens_generated`` counts the tokens decoded for suggestions, ``tokens_thrown_away`` those
+    of suggestions dismissed, cancelled or not accepted in full (by character share).
+    ``documents`` (the most recent 256) and ``languages`` hold the editors' feedback."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    cancelled: int = 0
+    deadline: int = 0
+    first_visible: Latency = msgspec.field(default_factory=Latency)
+    final: Latency = msgspec.field(default_factory=Latency)
+    tokens_generated: int = 0
+    tokens_thrown_away: int = 0
+    next_edits: int = 0  # warmspec/nextEdit answers with an edit
+    alternatives: int = 0  # warmspec/alternatives requests served
+    acceptance: Acceptance = msgspec.field(default_factory=Acceptance)
+    documents: dict[str, Acceptance] = {}
+    languages: dict[str, Acceptance] = {}
+
+
 class Status(Struct, kw_only=True):
     """What the daemon is doing: model, queue, cumulative statistics, memory. ``pid`` tells clients
     whether they share one daemon; ``workspace_roots`` are the directories whose files it may index
@@ -215,6 +269,7 @@ class Status(Struct, kw_only=True):
     keep_alive_s: float | None = None  # null: never unloaded
     idle_s: float = 0.0  # since the last request finished
     loads: int = 1  # times the weights were loaded (1 + reloads after idle unloads)
+    inline: InlineStatus = msgspec.field(default_factory=InlineStatus)
 
 
 def to_builtins(obj: Struct) -> dict:

@@ -12,7 +12,7 @@ export const enum ErrorCode {
   InternalError = -32603,
   ServerNotInitialized = -32002,
   RequestCancelled = -32800,
-  ContentModified = -32801, // a newer inline completion for the same document replaced this one
+  ContentModified = -32801, // a newer inline completion, or an edit, of the same document replaced this one
   Unauthorized = -31001,
   PathRefused = -31002,
   Busy = -31003,
@@ -82,6 +82,38 @@ export interface ModelInfo {
   parameters_bytes: number;
 }
 
+/** What became of a document's or a language's suggestions (editors' feedback). */
+export interface Acceptance {
+  shown: number;
+  accepted: number;
+  partial: number;
+  dismissed: number;
+  chars_shown: number;
+  chars_accepted: number;
+}
+
+export interface Latency {
+  count: number;
+  p50_ms: number;
+  p90_ms: number;
+}
+
+export interface InlineStatus {
+  requests: number;
+  cache_hits: number;
+  cancelled: number;
+  deadline: number;
+  first_visible: Latency;
+  final: Latency;
+  tokens_generated: number;
+  tokens_thrown_away: number;
+  next_edits: number;
+  alternatives: number;
+  acceptance: Acceptance;
+  documents: Record<string, Acceptance>;
+  languages: Record<string, Acceptance>;
+}
+
 export interface Status {
   model: ModelInfo;
   blas: string;
@@ -93,6 +125,7 @@ export interface Status {
   totals: GenerationStats;
   workspace_files: number;
   workspace_bytes: number;
+  inline?: InlineStatus;
 }
 
 export interface ModelsResult {
@@ -112,9 +145,20 @@ export interface DidReadResult {
 }
 
 /** `initialize`'s `initializationOptions` (camelCase: it lives inside an LSP message). */
+export interface InlineCompletionSettings {
+  prefixChars?: number;
+  suffixChars?: number;
+  maxTokens?: number;
+  /** Partial suggestions (`warmspec/inlineCompletionPartial`) and timings in the result. */
+  stream?: boolean;
+  deadlineMs?: number | null;
+  debounceMs?: number;
+  adapt?: boolean;
+}
+
 export interface InitializationOptions {
   apiKey?: string;
-  inlineCompletion?: { prefixChars?: number; suffixChars?: number; maxTokens?: number };
+  inlineCompletion?: InlineCompletionSettings;
 }
 
 // The LSP 3.18 inline completion types this client uses.
@@ -141,4 +185,72 @@ export interface InlineCompletionList {
 export const enum InlineCompletionTriggerKind {
   Invoked = 1,
   Automatic = 2,
+}
+
+/** `warmspec/inlineCompletionPartial`: the suggestion so far (all of it, not a delta). */
+export interface InlineCompletionPartialParams {
+  id: RequestId;
+  uri: string;
+  position: Position;
+  text: string;
+}
+
+/** The `warmspec` field of a streaming client's inline completion result. */
+export interface InlineCompletionInfo {
+  firstVisibleMs: number | null;
+  finalMs: number;
+  tokens: number;
+  finish: 'stop' | 'length' | 'deadline' | 'cache' | 'empty';
+  maxTokens: number;
+  debounceMs: number;
+}
+
+export interface InlineCompletionResult {
+  items: InlineCompletionItem[];
+  warmspec?: InlineCompletionInfo;
+}
+
+export type FeedbackEvent = 'shown' | 'accepted' | 'partial' | 'dismissed';
+
+export interface InlineCompletionFeedbackParams {
+  id: RequestId;
+  event: FeedbackEvent;
+  accepted_chars?: number;
+  index?: number;
+}
+
+export interface AlternativesParams {
+  uri: string;
+  position: Position;
+  count?: number;
+  temperature?: number;
+  seed?: number;
+}
+
+export interface Alternative {
+  text: string;
+  seed: number | null;
+}
+
+export interface AlternativesResult {
+  items: Alternative[];
+  range: Range;
+}
+
+export interface NextEditParams {
+  uri: string;
+  position: Position;
+}
+
+export interface NextEdit {
+  range: Range;
+  text: string;
+  kind: 'rename' | 'repeat';
+  old: string;
+  new: string;
+  remaining: number;
+}
+
+export interface NextEditResult {
+  edit: NextEdit | null;
 }

@@ -21,6 +21,8 @@ import {
   createMessageConnection,
 } from 'vscode-jsonrpc/node';
 import type {
+  AlternativesParams,
+  AlternativesResult,
   ChatParams,
   CompleteParams,
   DeltaParams,
@@ -28,9 +30,14 @@ import type {
   DidReadResult,
   GenerateResult,
   InitializationOptions,
+  InlineCompletionFeedbackParams,
   InlineCompletionItem,
   InlineCompletionList,
+  InlineCompletionPartialParams,
+  InlineCompletionResult,
   ModelsResult,
+  NextEditParams,
+  NextEditResult,
   Position,
   RequestId,
   Status,
@@ -89,16 +96,23 @@ export class RequestTap implements MessageWriter {
 }
 
 export type DeltaHandler = (delta: DeltaParams) => void;
+export type PartialHandler = (partial: InlineCompletionPartialParams) => void;
 
 /** warmspec's methods over an Rpc whose writer is `tap`. */
 export class WarmspecSession {
   private streams = new Map<RequestId, DeltaHandler>();
-  private subscription: Disposable;
+  private partials = new Map<RequestId, PartialHandler>();
+  private subscriptions: Disposable[];
 
   constructor(private readonly rpc: Rpc, private readonly tap: RequestTap) {
-    this.subscription = rpc.onNotification('warmspec/delta', (params: DeltaParams) => {
-      this.streams.get(params.id)?.(params);
-    });
+    this.subscriptions = [
+      rpc.onNotification('warmspec/delta', (params: DeltaParams) => {
+        this.streams.get(params.id)?.(params);
+      }),
+      rpc.onNotification('warmspec/inlineCompletionPartial', (params: InlineCompletionPartialParams) => {
+        this.partials.get(params.id)?.(params);
+      }),
+    ];
   }
 
   /** A chat answer; `onDelta` gets its text as it is decoded. Cancelling `token` sends
@@ -136,6 +150,67 @@ export class WarmspecSession {
     return Array.isArray(result) ? result : result.items;
   }
 
+  /** Ghost text that grows as it decodes: `onPartial` gets each partial suggestion (the server
+   * sends them when the connection was initialized with `inlineCompletion.stream`), `onId` the
+   * request's id as it goes out; the result is LSP's list with the `warmspec` timings. Cancelling
+   * `token` sends `$/cancelRequest`. */
+  async inlineCompletionStream(uri: string, position: Position, onPartial: PartialHandler,
+                               options: { token?: CancellationToken; deadlineMs?: number | null;
+                                          triggerKind?: InlineCompletionTriggerKind;
+                                          onId?: (id: RequestId) => void } = {}): Promise<InlineCompletionResult> {
+    const params: Record<string, unknown> = {
+      textDocument: { uri }, position,
+      context: { triggerKind: options.triggerKind ?? InlineCompletionTriggerKind.Automatic },
+    };
+    if (options.deadlineMs) {
+      params.warmspec = { deadlineMs: options.deadlineMs };
+    }
+    let id: RequestId | undefined;
+    this.tap.claim(params, (requestId) => {
+      id = requestId;
+      this.partials.set(requestId, onPartial);
+      options.onId?.(requestId);
+    });
+    try {
+      const result = await this.request<InlineCompletionResult | InlineCompletionItem[] | null>(
+        'textDocument/inlineCompletion', params, options.token);
+      if (!result) {
+        return { items: [] };
+      }
+      return Array.isArray(result) ? { items: result } : result;
+    } finally {
+      this.tap.release(params);
+      if (id !== undefined) {
+        this.partials.delete(id);
+      }
+    }
+  }
+
+  /** What became of a suggestion (`id`: the request that made it). */
+  feedback(params: InlineCompletionFeedbackParams): Promise<void> {
+    return this.rpc.sendNotification('warmspec/inlineCompletionFeedback', params);
+  }
+
+  /** Different suggestions at a place: the greedy one, then seeded samples. `onId`: the
+   * request's id, which feedback on an item names (with its index). */
+  async alternatives(params: AlternativesParams, onId?: (id: RequestId) => void,
+                     token?: CancellationToken): Promise<AlternativesResult> {
+    const sent = { ...params };
+    if (onId) {
+      this.tap.claim(sent, onId);
+    }
+    try {
+      return await this.request('warmspec/alternatives', sent, token);
+    } finally {
+      this.tap.release(sent);
+    }
+  }
+
+  /** The edit likely to come next in a document (null: none). */
+  nextEdit(params: NextEditParams, token?: CancellationToken): Promise<NextEditResult> {
+    return this.request('warmspec/nextEdit', params, token);
+  }
+
   /** A request; the token only when there is one: vscode-jsonrpc would send a trailing
    * `undefined` as a second positional param, turning params into an array. */
   private request<R>(method: string, params: object, token?: CancellationToken): Promise<R> {
@@ -143,8 +218,9 @@ export class WarmspecSession {
   }
 
   dispose(): void {
-    this.subscription.dispose();
+    this.subscriptions.forEach((s) => s.dispose());
     this.streams.clear();
+    this.partials.clear();
   }
 
   private async stream<P extends object>(method: string, params: P, onDelta: DeltaHandler | undefined,
@@ -194,6 +270,13 @@ export function formatStatus(s: Status): string[] {
       line += `, ${(t.completion_tokens / t.passes).toFixed(2)} tok/pass, ${t.accepted} of ${t.drafted} drafted accepted`;
     }
     lines.push(line);
+  }
+  const g = s.inline;
+  if (g && g.requests > 0) {
+    const a = g.acceptance;
+    lines.push(`ghost text: ${g.requests} requests (${g.cancelled} cancelled), first visible ` +
+      `${g.first_visible.p50_ms.toFixed(0)} ms, final ${g.final.p50_ms.toFixed(0)} ms (medians); ` +
+      `${a.accepted} of ${a.shown} shown accepted, ${a.partial} in part`);
   }
   lines.push(`workspace: ${s.workspace_files} files indexed`);
   return lines;

@@ -10,7 +10,7 @@ import { after, before, describe, test } from 'node:test';
 import * as path from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { CancellationTokenSource, ResponseError } from 'vscode-jsonrpc/node';
-import { DeltaParams } from '../src/protocol';
+import { DeltaParams, InlineCompletionPartialParams, RequestId } from '../src/protocol';
 import { ServerProcess, spawnServer, summary } from '../src/session';
 
 const [command, ...args] = JSON.parse(process.env.WARMSPEC_TEST_CMD ?? '["warmspec", "lsp"]') as string[];
@@ -38,7 +38,7 @@ describe('warmspec lsp through the session module', () => {
   });
 
   test('initialize advertises inline completion and full text sync', async () => {
-    const result = await server.initialize({ inlineCompletion: { maxTokens: 12 } });
+    const result = await server.initialize({ inlineCompletion: { maxTokens: 12, stream: true, adapt: false } });
     assert.equal(result.serverInfo.name, 'warmspec', stderr);
     assert.ok(result.capabilities.inlineCompletionProvider, JSON.stringify(result.capabilities));
     const sync = result.capabilities.textDocumentSync;
@@ -112,6 +112,52 @@ describe('warmspec lsp through the session module', () => {
     const second = server.session.inlineCompletion(URI, { line: 1, character: 4 });
     await assert.rejects(first, (err) => errorCode(err) === -32801); // ContentModified
     await second;
+  });
+
+  test('ghost text streams: partials of the request, then the final result with its timings', async () => {
+    const text = 'def factorial(n):\n    """Return n!"""\n    ';
+    const uri = pathToFileURL(path.join(workspace, 'stream.py')).href;
+    await server.connection.sendNotification('textDocument/didOpen', {
+      textDocument: { uri, languageId: 'python', version: 1, text },
+    });
+    const partials: InlineCompletionPartialParams[] = [];
+    let id: RequestId | undefined;
+    const result = await server.session.inlineCompletionStream(uri, { line: 2, character: 4 }, (p) => partials.push(p),
+      { onId: (requestId) => (id = requestId) });
+    const final = result.items[0].insertText as string;
+    assert.ok(partials.length >= 1, stderr.slice(-2000));
+    assert.ok(partials.every((p) => p.id === id && p.uri === uri && p.position.line === 2));
+    assert.equal(partials[partials.length - 1].text, final);
+    assert.ok(result.warmspec && result.warmspec.tokens > 0 && ['stop', 'length'].includes(result.warmspec.finish));
+    assert.ok(result.warmspec.finalMs >= (result.warmspec.firstVisibleMs ?? 0));
+
+    // Feedback on it is counted for the document; alternatives start with the same suggestion.
+    await server.session.feedback({ id: id!, event: 'shown' });
+    await server.session.feedback({ id: id!, event: 'partial', accepted_chars: 1 });
+    await server.session.feedback({ id: id!, event: 'accepted' });
+    const status = await server.session.status();
+    const doc = status.inline!.documents[uri];
+    assert.deepEqual([doc.shown, doc.partial, doc.accepted], [1, 1, 1]);
+    const alts = await server.session.alternatives({ uri, position: { line: 2, character: 4 }, count: 2 });
+    assert.equal(alts.items[0].text, final);
+    assert.equal(alts.items[0].seed, null);
+  });
+
+  test('next edit after renaming one of three call sites', async () => {
+    const before = 'def fetch_rows(db):\n    return db\n\n\na = fetch_rows(1)\nb = fetch_rows(2)\nc = fetch_rows(3)\n';
+    const uri = pathToFileURL(path.join(workspace, 'rows.py')).href;
+    await server.connection.sendNotification('textDocument/didOpen', {
+      textDocument: { uri, languageId: 'python', version: 1, text: before },
+    });
+    await server.connection.sendNotification('textDocument/didChange', {
+      textDocument: { uri, version: 2 }, contentChanges: [{ text: before.replace('a = fetch_rows', 'a = load_rows') }],
+    });
+    const { edit } = await server.session.nextEdit({ uri, position: { line: 4, character: 13 } });
+    assert.ok(edit);
+    assert.deepEqual(edit.range, { start: { line: 5, character: 4 }, end: { line: 5, character: 14 } });
+    assert.equal(edit.text, 'load_rows');
+    assert.equal(edit.kind, 'rename');
+    assert.equal(edit.remaining, 3);
   });
 
   test('inline completion of a document that is not open is an error', async () => {

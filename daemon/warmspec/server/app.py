@@ -21,6 +21,7 @@ from ..core import Engine, EngineError, SamplingParams
 from ..model import LoadedModel
 from ..tokenizer import Tokenizer
 from ..workspace import UnreadableFile, Workspace, WorkspaceError
+from .feedback import InlineMetrics
 from .scheduler import PRIORITY_NORMAL, Busy, Job, Scheduler
 
 log = logging.getLogger("warmspec.app")
@@ -76,6 +77,7 @@ class App:
         self.workspace = Workspace(workspace_roots, lm.tokenizer)
         self.scheduler = Scheduler(engine, workspace=self.workspace)
         self.started = time.time()
+        self.inline = InlineMetrics()  # ghost text's timings and feedback (owned by the event loop)
         # Measured once here: a prompt longer than this cannot fit, whatever its tokens.
         self.max_prompt_chars = lm.context_length * longest_token_chars(lm.tokenizer) if lm.context_length else None
         self.parameters_bytes = lm.nbytes  # kept: the weights may be unloaded while idle
@@ -246,7 +248,7 @@ class App:
                       workspace_files=len(ws.files), workspace_bytes=ws.nbytes,
                       workspace_roots=[str(r) for r in ws.roots], pid=os.getpid(),
                       prefix_cache=self.prefix_stats(), engine_resets=self.engine.resets,
-                      memory=memory.stats(), **self._keepalive_status())
+                      memory=memory.stats(), inline=self.inline.status(), **self._keepalive_status())
 
     def _keepalive_status(self) -> dict[str, Any]:
         ka = self.keepalive

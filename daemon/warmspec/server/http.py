@@ -559,6 +559,22 @@ class Context:
         metric("peak_resident_memory_bytes", "gauge", "Peak resident set.", [("", st.memory.peak_rss_bytes)])
         metric("model_loaded", "gauge", "1 while the weights are loaded (0: unloaded while idle).",
                [("", int(st.model_state == "loaded"))])
+        il = st.inline
+        metric("inline_requests_total", "counter", "Ghost-text requests, by how they ended.",
+               [(f'{{outcome="{k}"}}', v) for k, v in (("cache", il.cache_hits), ("cancelled", il.cancelled),
+                                                       ("deadline", il.deadline), ("all", il.requests))])
+        metric("inline_first_visible_seconds", "summary", "Ghost text: request to its first visible character.",
+               [(f'{{quantile="{q}"}}', ms / 1000) for q, ms in (("0.5", il.first_visible.p50_ms),
+                                                                 ("0.9", il.first_visible.p90_ms))])
+        metric("inline_final_seconds", "summary", "Ghost text: request to its answer.",
+               [(f'{{quantile="{q}"}}', ms / 1000) for q, ms in (("0.5", il.final.p50_ms), ("0.9", il.final.p90_ms))])
+        metric("inline_tokens_total", "counter", "Ghost-text tokens decoded, and those thrown away.",
+               [('{kind="generated"}', il.tokens_generated), ('{kind="thrown_away"}', il.tokens_thrown_away)])
+        metric("inline_suggestions_total", "counter", "Editors' feedback on suggestions, by language.",
+               [(f'{{language="{_label(lang)}",event="{e}"}}', getattr(a, e)) for lang, a in sorted(il.languages.items())
+                for e in ("shown", "accepted", "partial", "dismissed")])
+        metric("inline_accepted_chars_total", "counter", "Characters of suggestions accepted, by language.",
+               [(f'{{language="{_label(lang)}"}}', a.chars_accepted) for lang, a in sorted(il.languages.items())])
         metric("workspace_files", "gauge", "Files indexed as n-gram sources.", [("", st.workspace_files)])
         metric("workspace_bytes", "gauge", "Memory of the workspace index.", [("", st.workspace_bytes)])
         metric("uptime_seconds", "gauge", "Seconds since the daemon started.", [("", st.uptime_s)])

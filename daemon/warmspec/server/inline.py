@@ -19,10 +19,20 @@ from .app import App
 from .scheduler import PRIORITY_INTERACTIVE, Job
 
 
+# Where a window cut from a long document starts moves in steps of prefix_chars / 8 (512 of the
+# default 4096 characters), not with every line typed. The prompt then keeps its beginning -- and
+# the engine its cached prefill -- while the cursor moves on: with a start one line behind the
+# cursor's budget, every line typed in a file longer than the window changed the prompt's first
+# tokens and cost a prefill of the whole window (~1000 tokens of the default model).
+ANCHOR_STEPS = 8
+
+
 def cursor_context(text: str, offset: int, prefix_chars: int, suffix_chars: int) -> tuple[str, str]:
     """The text before and after the cursor within the budget, cut at line boundaries so the
-    model never starts mid-line."""
-    start = max(0, offset - prefix_chars)
+    model never starts mid-line. The start moves in steps (``ANCHOR_STEPS``), so the window holds
+    between 7/8 of ``prefix_chars`` and all of it."""
+    step = max(1, prefix_chars // ANCHOR_STEPS)
+    start = max(0, -(-(offset - prefix_chars) // step) * step)
     if start > 0 and (nl := text.find("\n", start, offset)) != -1:
         start = nl + 1
     end = min(len(text), offset + suffix_chars)
@@ -91,13 +101,15 @@ class GhostText:
         self.cache = CompletionCache()
         self.fim = fim_markers(app.lm.tokenizer)
 
-    def window(self, uri: str, source: str, offset: int, settings: InlineCompletionSettings) -> Window:
-        """The window at ``offset`` of document ``uri``. Mid-line a suggestion finishes the line;
-        at a line's end it may run to a blank line."""
+    def window(self, uri: str, source: str, offset: int, settings: InlineCompletionSettings,
+               max_tokens: int | None = None) -> Window:
+        """The window at ``offset`` of document ``uri``, for a suggestion of ``max_tokens`` (the
+        settings' when None). Mid-line a suggestion finishes the line; at a line's end it may run
+        to a blank line."""
         prefix, suffix = cursor_context(source, offset, settings.prefix_chars, settings.suffix_chars)
         stop = ("\n",) if suffix.split("\n", 1)[0].strip() else ("\n\n",)
         return Window(uri=uri, prefix=prefix, suffix=suffix, model=self.app.lm.name,
-                      max_tokens=settings.max_tokens, stop=stop)
+                      max_tokens=max_tokens or settings.max_tokens, stop=stop)
 
     def prompt_text(self, w: Window) -> str:
         """The model continues the prefix (given the suffix too, when it knows fill-in-the-middle)."""
@@ -106,11 +118,13 @@ class GhostText:
         pre, suf, mid = self.fim
         return f"{pre}{w.prefix}{suf}{w.suffix}{mid}"
 
-    def job(self, w: Window, *, label: str) -> Job:
-        """The job for ``w``. Tokenizes the window: call it off the event loop. Raises
-        ``EngineError`` for a prompt the engine refuses."""
+    def job(self, w: Window, *, label: str, temperature: float = 0.0, seed: int | None = None) -> Job:
+        """The job for ``w``: greedy (cacheable), or sampled at ``temperature`` with ``seed`` for
+        alternatives. Tokenizes the window: call it off the event loop. Raises ``EngineError`` for a
+        prompt the engine refuses."""
         app = self.app
-        return app.job(app.text_prompt(self.prompt_text(w)), app.sampling(temperature=0.0),
+        params = app.sampling(temperature=temperature, seed=seed) if temperature else app.sampling(temperature=0.0)
+        return app.job(app.text_prompt(self.prompt_text(w)), params,
                        max_tokens=w.max_tokens, stop=list(w.stop), priority=PRIORITY_INTERACTIVE, label=label)
 
 

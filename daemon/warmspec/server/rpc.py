@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache, partial
 from pathlib import Path
@@ -50,8 +51,11 @@ from warmspec_protocol.rpc import ErrorCode
 
 from .. import __version__
 from ..core import Delta, EngineError, Finished
+from ..core import GenerationStats as CoreStats
 from ..workspace import WorkspaceError, path_from_uri
+from . import nextedit
 from .app import App, to_wire
+from .feedback import Suggestion
 from .framing import HEADER_LIMIT, FrameError, frame, read_frame
 from .inline import GhostText
 from .keepalive import Progress
@@ -66,6 +70,15 @@ log = logging.getLogger("warmspec.rpc")
 # answers with the reason).
 MAX_DOCUMENTS_PER_CONNECTION = 128
 MAX_DOCUMENTS = 512
+# Suggestions a connection remembers for its feedback (warmspec/inlineCompletionFeedback): an
+# editor reports on the one it shows, and maybe a few alternatives.
+MAX_SUGGESTIONS = 64
+# Accepted ghost text kept per language as a drafting source of its own (the newest characters).
+ACCEPTED_CHARS = 16 << 10
+MAX_ACCEPTED_LANGUAGES = 64
+
+PARTIAL = "warmspec/inlineCompletionPartial"
+ACCEPTED_OWNER = "warmspec-accepted"  # the workspace's owner of the accepted-text documents
 
 # stdio: an editor spawned this process; unix: the socket, 0600 in a 0700 directory (same user);
 # tcp: anyone who can reach the port.
@@ -203,8 +216,14 @@ class Connection(LanguageServer):
         self.closing = False
         self.settings = wire.InlineCompletionSettings()
         self.tickets: set[Ticket] = set()
+        self.winding: set[asyncio.Task] = set()  # cancelled jobs read to their end (run_job's deadline)
         self.inline: dict[str, asyncio.Task] = {}  # the running inline completion per document
         self.superseded: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+        # inline completion requests read but not yet handled: when they were read, their extras
+        self.inline_requests: OrderedDict[wire.RequestId, tuple[float, wire.InlineCompletionExtras | None]] = \
+            OrderedDict()
+        self.suggestions: OrderedDict[tuple[wire.RequestId, int], Suggestion] = OrderedDict()
+        self.edits: dict[str, nextedit.EditHistory] = {}  # per open document (unquoted uri)
         self.refused: dict[str, str] = {}  # documents not stored, and why (newest last, bounded)
         self._reader: asyncio.StreamReader | None = None
         for method, handler, options in _FEATURES:
@@ -315,7 +334,10 @@ class Connection(LanguageServer):
             self.protocol.handle_message(JsonRPCRequestMessage(id=env.id, method=method, jsonrpc="2.0",
                                                                params=params))
         elif method in wire.LSP_REQUESTS:
-            self.protocol.handle_message(self._structure(method, obj))
+            message = self._structure(method, obj)
+            if method == lsp.TEXT_DOCUMENT_INLINE_COMPLETION:
+                self._note_inline_request(env.id, env.params)
+            self.protocol.handle_message(message)
         elif method in wire.LSP_NOTIFICATIONS:
             raise RpcError(ErrorCode.INVALID_REQUEST, f"{method} is a notification: send it without an id")
         else:
@@ -333,6 +355,21 @@ class Connection(LanguageServer):
             self.protocol.handle_message(self._structure(method, obj))
         else:
             log.debug("%s: ignored notification %r", self.name, method)
+
+    def _note_inline_request(self, msg_id: wire.RequestId, params: Any) -> None:
+        """When an inline completion request was read (its budget runs from then), and its
+        ``warmspec`` extras; the handler takes them."""
+        raw = params.get("warmspec") if isinstance(params, dict) else None
+        extras = None
+        if raw is not None:
+            try:
+                extras = msgspec.convert(raw, wire.InlineCompletionExtras)
+            except msgspec.ValidationError as e:
+                raise RpcError(ErrorCode.INVALID_PARAMS,
+                               f"invalid params for textDocument/inlineCompletion: {e} (in $.warmspec)") from None
+        self.inline_requests[msg_id] = (time.perf_counter(), extras)
+        while len(self.inline_requests) > MAX_SUGGESTIONS:  # handlers that never ran (cancelled first)
+            self.inline_requests.popitem(last=False)
 
     @staticmethod
     def _params(spec: wire.MethodSpec, raw: Any) -> msgspec.Struct:
@@ -397,22 +434,48 @@ class Connection(LanguageServer):
                                    tok_s=fin.stats.decode_tok_s, ttft_s=ttft)
 
     async def run_job(self, job: Job, on_delta: Callable[[Delta], None] | None = None,
-                      on_progress: Callable[[Progress], None] | None = None) -> Finished:
+                      on_progress: Callable[[Progress], None] | None = None, *,
+                      deadline: float | None = None, on_end: Callable[[Finished], None] | None = None) -> Finished:
         """Submit ``job`` and wait for it. If this task is cancelled (``$/cancelRequest``, a newer
         inline completion, the client hanging up) the job stops within one decode step, and the
         cancellation is answered once it has: a client that then asks again, or asks for the
-        status, finds the engine idle."""
+        status, finds the engine idle.
+
+        ``deadline`` (a ``time.perf_counter()`` time): then the job is told to stop and this
+        returns at once with the text decoded so far (finish reason ``cancelled``), while the job
+        winds down behind it -- the step or prefill under way is not waited for, so the answer
+        keeps the budget however busy the engine is. ``on_end`` sees the job's own ``Finished``
+        however it ended (what it cost), also after such an early return or this task's
+        cancellation."""
         try:
             ticket = self.app.scheduler.submit(job)
         except EngineError as e:
             raise RpcError(ErrorCode.BUSY, str(e)) from None
         self.tickets.add(ticket)
+        text: list[str] = []
+        tokens: list[int] = []
+        handed_off = False
         try:
-            async for event in ticket:
+            while True:
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    ticket.cancel()
+                    self._wind_down(ticket, on_end)
+                    handed_off = True
+                    return Finished("cancelled", "".join(text), tokens,
+                                    CoreStats(prompt_tokens=len(job.prompt), completion_tokens=len(tokens)))
+                try:
+                    event = await ticket.next_event(left)
+                except asyncio.TimeoutError:
+                    continue
                 if isinstance(event, Delta):
+                    text.append(event.text)
+                    tokens.extend(event.tokens)
                     if on_delta is not None:
                         on_delta(event)
                 elif isinstance(event, Finished):
+                    if on_end is not None:
+                        on_end(event)
                     return event
                 elif isinstance(event, Progress):
                     if on_progress is not None:
@@ -420,14 +483,31 @@ class Connection(LanguageServer):
                 else:
                     code = ErrorCode.INVALID_PARAMS if event.client_error else ErrorCode.INTERNAL_ERROR
                     raise RpcError(code, event.message)
-            raise AssertionError("a ticket ended without Finished or JobError")
         finally:
-            self.tickets.discard(ticket)
-            if not ticket.done:
-                ticket.cancel()
-                if self.app.scheduler.active is ticket:  # a queued job just never runs
-                    async for _ in ticket:
-                        pass
+            if not handed_off:
+                self.tickets.discard(ticket)
+                if not ticket.done:
+                    ticket.cancel()
+                    if self.app.scheduler.active is ticket:  # a queued job just never runs
+                        async for event in ticket:
+                            if isinstance(event, Finished) and on_end is not None:
+                                on_end(event)
+
+    def _wind_down(self, ticket: Ticket, on_end: Callable[[Finished], None] | None) -> None:
+        """Read a cancelled ticket to its end in the background (it stays in ``tickets`` until
+        then, so a hang-up still reaches it), giving its ``Finished`` to ``on_end``."""
+
+        async def drain() -> None:
+            try:
+                async for event in ticket:
+                    if isinstance(event, Finished) and on_end is not None:
+                        on_end(event)
+            finally:
+                self.tickets.discard(ticket)
+
+        task = asyncio.ensure_future(drain())
+        self.winding.add(task)
+        task.add_done_callback(self.winding.discard)
 
     # -- inline completion ----------------------------------------------------------------------------
 
@@ -480,17 +560,26 @@ class Connection(LanguageServer):
         """A document is closed (pygls dropped it): stop its ghost text, unindex its buffer."""
         if (task := self.inline.pop(uri, None)) is not None:
             task.cancel()
-        self.service.index_document(self, uri, None)
+        self.edits.pop(unquote(uri), None)
+        self.service.index_document(self.name, uri, None)
 
-    def supersede(self, uri: str) -> None:
-        """Editors ask on every keystroke: a new request for a document ends the one before."""
+    def supersede(self, uri: str, *, claim: bool = True) -> None:
+        """Editors ask on every keystroke: a new request for a document -- or an edit of it
+        (``claim`` False) -- ends the one before, at once: its job stops within a decode step
+        (prefill included, once the engine checks there) and it is answered -32801."""
         previous = self.inline.get(uri)
         if previous is not None and not previous.done():
             self.superseded.add(previous)
             previous.cancel()
         current = asyncio.current_task()
-        if current is not None:
+        if claim and current is not None:
             self.inline[uri] = current
+
+    def remember(self, key: tuple[wire.RequestId, int], suggestion: Suggestion) -> None:
+        """Keep a suggestion for the client's feedback on it (the newest MAX_SUGGESTIONS)."""
+        self.suggestions[key] = suggestion
+        while len(self.suggestions) > MAX_SUGGESTIONS:
+            self.suggestions.popitem(last=False)
 
 
 # -- handlers ----------------------------------------------------------------------------------------
@@ -536,13 +625,22 @@ def shutdown(ls: Connection, params: Any = None) -> None:
 
 @feature(lsp.TEXT_DOCUMENT_DID_OPEN)
 def did_open(ls: Connection, params: lsp.DidOpenTextDocumentParams) -> None:
-    ls.service.index_document(ls, params.text_document.uri, params.text_document.text)
+    doc = params.text_document
+    ls.edits[unquote(doc.uri)] = nextedit.EditHistory(doc.text)
+    ls.service.index_document(ls.name, doc.uri, doc.text)
 
 
 @feature(lsp.TEXT_DOCUMENT_DID_CHANGE)
 def did_change(ls: Connection, params: lsp.DidChangeTextDocumentParams) -> None:
     uri = params.text_document.uri
-    ls.service.index_document(ls, uri, ls.open_document(uri).source)  # pygls applied the change
+    text = ls.open_document(uri).source  # pygls applied the change
+    history = ls.edits.get(unquote(uri))
+    if history is not None and history.text == text:
+        return  # nothing changed (a client resending the same text)
+    ls.supersede(uri, claim=False)  # a suggestion for the text before is moot
+    if history is not None:
+        history.update(text)
+    ls.service.index_document(ls.name, uri, text)
 
 
 @feature(lsp.TEXT_DOCUMENT_DID_CLOSE)
@@ -594,40 +692,188 @@ async def complete(ls: Connection, params: wire.CompleteParams) -> wire.Generate
 
 
 @feature(lsp.TEXT_DOCUMENT_INLINE_COMPLETION, lsp.InlineCompletionOptions())
-async def inline_completion(ls: Connection, params: lsp.InlineCompletionParams) -> lsp.InlineCompletionList:
+async def inline_completion(ls: Connection, params: lsp.InlineCompletionParams) -> Any:
     """Ghost text at the cursor: the model continues the text before it (with the text after it
-    when the model knows fill-in-the-middle); greedy, so answers can be cached."""
+    when the model knows fill-in-the-middle); greedy, so answers can be cached. A streaming client
+    (``inlineCompletion.stream``) sees it grow (``warmspec/inlineCompletionPartial``) and gets its
+    timings in the result; the job stops at the request's deadline, answering with what it has."""
+    msg_id = ls.protocol.msg_id
+    received, extras = ls.inline_requests.pop(msg_id, (time.perf_counter(), None))
     uri = params.text_document.uri
     ls.supersede(uri)
+    try:
+        return await suggest_inline(ls, msg_id, params, received, extras)
+    finally:
+        if ls.inline.get(uri) is asyncio.current_task():
+            del ls.inline[uri]
+
+
+async def suggest_inline(ls: Connection, msg_id: wire.RequestId, params: lsp.InlineCompletionParams,
+                         received: float, extras: wire.InlineCompletionExtras | None) -> Any:
+    settings = ls.settings
+    metrics = ls.app.inline
+    uri = params.text_document.uri
     doc = ls.open_document(uri)
-    offset = doc.offset_at_position(params.position)
+    language = doc.language_id or "plaintext"
+    metrics.requested()
+    max_tokens = metrics.max_tokens(language, settings.max_tokens) if settings.adapt else settings.max_tokens
     ghost = ls.service.ghost
-    window = ghost.window(doc.uri, doc.source, offset, ls.settings)
+    window = ghost.window(doc.uri, doc.source, doc.offset_at_position(params.position), settings, max_tokens)
+    first_visible: float | None = None
+    tokens = 0
     if not window.prefix.strip():
-        return lsp.InlineCompletionList(items=[])  # nothing to continue yet
-    text = ghost.cache.lookup(window)
-    if text is None:
-        label = f"{ls.name} #{ls.protocol.msg_id} inline"
+        text, finish = "", "empty"  # nothing to continue yet
+    elif (cached := ghost.cache.lookup(window)) is not None:
+        text, finish = cached, "cache"
+        first_visible = time.perf_counter() - received if text.strip() else None
+    else:
+        where = wire.Position(line=params.position.line, character=params.position.character)
+        so_far = ""
+
+        def on_delta(delta: Delta) -> None:
+            nonlocal so_far, first_visible
+            if not delta.text:
+                return
+            so_far += delta.text
+            if first_visible is None and so_far.strip():
+                first_visible = time.perf_counter() - received
+            if settings.stream:
+                ls.protocol.notify(PARTIAL, wire.InlineCompletionPartialParams(id=msg_id, uri=uri, position=where,
+                                                                               text=so_far))
+
+        answer_tokens: int | None = None  # set once answered: a job winding down after its deadline
+
+        def on_end(fin: Finished) -> None:
+            nonlocal tokens
+            tokens = fin.stats.completion_tokens
+            late = 0 if answer_tokens is None else max(0, tokens - answer_tokens)
+            metrics.decoded(tokens, late)
+
+        budget_ms = extras.deadline_ms if extras is not None and extras.deadline_ms else settings.deadline_ms
+        deadline = received + budget_ms / 1000 if budget_ms else None
         try:
             ls.app.admit()
-            job = await asyncio.to_thread(ghost.job, window, label=label)  # tokenizes the window
-            text = (await ls.run_job(job)).text
+            job = await asyncio.to_thread(ghost.job, window, label=f"{ls.name} #{msg_id} inline")  # tokenizes
+            fin = await ls.run_job(job, on_delta, deadline=deadline, on_end=on_end)
         except Busy as e:
             raise RpcError(ErrorCode.BUSY, str(e)) from None
         except EngineError as e:
             raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
         except asyncio.CancelledError:
+            metrics.cancelled(tokens)
             if asyncio.current_task() in ls.superseded:
                 ls.superseded.discard(asyncio.current_task())
-                raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request for "
+                raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request or an edit of "
                                "this document replaced this one") from None
             raise
-        ghost.cache.store(window, text)
-    if ls.inline.get(uri) is asyncio.current_task():
-        del ls.inline[uri]
-    here = lsp.Range(start=params.position, end=params.position)
-    items = [lsp.InlineCompletionItem(insert_text=text, range=here)] if text else []
-    return lsp.InlineCompletionList(items=items)
+        text = fin.text
+        tokens = answer_tokens = fin.stats.completion_tokens
+        if fin.finish_reason == "cancelled":  # the deadline: what it has, not cached (it is cut short)
+            finish = "deadline"
+        else:
+            finish = fin.finish_reason
+            ghost.cache.store(window, text)
+    final = time.perf_counter() - received
+    metrics.answered(first_visible_s=first_visible, final_s=final, text=text, tokens=tokens, finish=finish,
+                     language=language)
+    if text:
+        ls.remember((msg_id, 0), Suggestion(doc.uri, language, text, tokens))
+    log.debug("%s #%s inline: %s, %d characters, first visible %s, final %.0f ms", ls.name, msg_id, finish,
+              len(text), "-" if first_visible is None else f"{first_visible * 1000:.0f} ms", final * 1000)
+    if not settings.stream:
+        here = lsp.Range(start=params.position, end=params.position)
+        return lsp.InlineCompletionList(items=[lsp.InlineCompletionItem(insert_text=text, range=here)] if text else [])
+    pos = wire.Position(line=params.position.line, character=params.position.character)
+    debounce = metrics.debounce_ms(language, settings.debounce_ms) if settings.adapt else settings.debounce_ms
+    info = wire.InlineCompletionInfo(
+        first_visible_ms=None if first_visible is None else round(first_visible * 1000, 1),
+        final_ms=round(final * 1000, 1), tokens=tokens, finish=finish, max_tokens=window.max_tokens,
+        debounce_ms=debounce)
+    items = [wire.InlineItem(insert_text=text, range=wire.Range(start=pos, end=pos))] if text else []
+    return wire.InlineCompletionResult(items=items, warmspec=info)
+
+
+@feature("warmspec/inlineCompletionFeedback")
+def inline_feedback(ls: Connection, params: wire.InlineCompletionFeedbackParams) -> None:
+    """Count what became of a suggestion; accepted text becomes a drafting source (``adapt``)."""
+    s = ls.suggestions.get((params.id, params.index))
+    if s is None:
+        log.debug("%s: feedback on #%s/%d, which this connection does not remember", ls.name, params.id,
+                  params.index)
+        return
+    accepted = ls.app.inline.feedback(s, params.event, params.accepted_chars)
+    if accepted and ls.settings.adapt:
+        ls.service.note_accepted(s.uri, s.language, accepted)
+
+
+@feature("warmspec/alternatives")
+async def alternatives(ls: Connection, params: wire.AlternativesParams) -> wire.AlternativesResult:
+    """Different suggestions at a position: the greedy one (the ghost text's, from the cache when
+    it is there), then samples at ``temperature`` with seeds ``seed``, ``seed + 1``, ... (so the
+    same request gets the same answer), until ``count`` different ones or twice as many tries."""
+    doc = ls.open_document(params.uri)
+    pos = lsp.Position(line=params.position.line, character=params.position.character)
+    here = wire.Range(start=params.position, end=params.position)
+    ghost = ls.service.ghost
+    window = ghost.window(doc.uri, doc.source, doc.offset_at_position(pos), ls.settings)
+    items: list[wire.Alternative] = []
+    if not window.prefix.strip():
+        return wire.AlternativesResult(items=items, range=here)
+    msg_id = ls.protocol.msg_id
+    language = doc.language_id or "plaintext"
+    seen: set[str] = set()
+    tries: list[int | None] = [None, *range(params.seed, params.seed + 2 * params.count)]
+    for seed in tries:
+        if len(items) == params.count:
+            break
+        text = ghost.cache.lookup(window) if seed is None else None
+        tokens = 0
+        if text is None:
+            try:
+                ls.app.admit()
+                job = await asyncio.to_thread(ghost.job, window, label=f"{ls.name} #{msg_id} alternative",
+                                              temperature=0.0 if seed is None else params.temperature, seed=seed)
+                fin = await ls.run_job(job)
+            except Busy as e:
+                raise RpcError(ErrorCode.BUSY, str(e)) from None
+            except EngineError as e:
+                raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
+            text, tokens = fin.text, fin.stats.completion_tokens
+            ls.app.inline.decoded(tokens)
+            if seed is None:
+                ghost.cache.store(window, text)
+        if text.strip() and text.rstrip() not in seen:
+            seen.add(text.rstrip())
+            ls.remember((msg_id, len(items)), Suggestion(doc.uri, language, text, tokens))
+            items.append(wire.Alternative(text=text, seed=seed))
+    ls.app.inline.counts.alternatives += 1
+    return wire.AlternativesResult(items=items, range=here)
+
+
+@feature("warmspec/nextEdit")
+async def next_edit(ls: Connection, params: wire.NextEditParams) -> wire.NextEditResult:
+    """The next edit of a document, from its recent edits (see nextedit.py)."""
+    doc = ls.open_document(params.uri)
+    history = ls.edits.get(unquote(params.uri))
+    text = doc.source
+    if history is None or history.last is None:
+        return wire.NextEditResult(edit=None)
+    cursor = doc.offset_at_position(lsp.Position(line=params.position.line, character=params.position.character))
+    found = await asyncio.to_thread(nextedit.suggest, history.last, text, cursor)  # a regex over the buffer
+    if found is None or doc.source is not text:  # or the buffer changed meanwhile: ask again
+        return wire.NextEditResult(edit=None)
+    ls.app.inline.counts.next_edits += 1
+    rng = wire.Range(start=position_at(doc, found.start), end=position_at(doc, found.end))
+    return wire.NextEditResult(edit=wire.NextEdit(range=rng, text=found.text, kind=found.kind, old=found.old,
+                                                  new=found.new, remaining=found.remaining))
+
+
+def position_at(doc: TextDocument, offset: int) -> wire.Position:
+    """The LSP position of a character offset of ``doc``, in the connection's position encoding."""
+    text = doc.source
+    start = text.rfind("\n", 0, offset) + 1
+    return wire.Position(line=text.count("\n", 0, offset),
+                         character=doc.position_codec.client_num_units(text[start:offset]))
 
 
 # -- the service ------------------------------------------------------------------------------------
@@ -649,6 +895,7 @@ class RpcService:
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="warmspec-index")
         self._pending: dict[tuple[str, str], str | None] = {}  # (connection, uri) -> newest text
         self._pending_lock = threading.Lock()
+        self._accepted: dict[str, str] = {}  # language -> accepted ghost text (note_accepted)
         self._closing = False
 
     # -- listeners ------------------------------------------------------------------------------------
@@ -733,10 +980,10 @@ class RpcService:
             except WorkspaceError as e:
                 log.info("%s: %s", name, e)
 
-    def index_document(self, conn: Connection, uri: str, text: str | None) -> None:
-        """Record a connection's editor buffer (None: closed) into the workspace, coalescing a
-        burst of changes into one re-index of the newest text."""
-        key = (conn.name, uri)
+    def index_document(self, owner: str, uri: str, text: str | None) -> None:
+        """Record an editor buffer of connection ``owner`` (None: closed) into the workspace,
+        coalescing a burst of changes into one re-index of the newest text."""
+        key = (owner, uri)
         with self._pending_lock:
             queued = key in self._pending
             self._pending[key] = text
@@ -755,6 +1002,23 @@ class RpcService:
                 ws.did_open(uri, text, owner)
         except WorkspaceError as e:  # still served inline completions; just not a drafting source
             log.debug("not indexed: %s", e)
+
+    def note_accepted(self, uri: str, language: str, text: str) -> None:
+        """Ghost text a user accepted becomes a drafting source of its own, one per language,
+        ranked as an open document: the newest ACCEPTED_CHARS characters accepted in that language,
+        as a document no editor has (``.warmspec-accepted.LANGUAGE`` in the workspace root of the
+        document it was accepted in, else the first root; never written to disk). Without roots
+        there is nowhere to index it, and it is not."""
+        kept = (self._accepted.pop(language, "") + text)[-ACCEPTED_CHARS:]
+        self._accepted[language] = kept  # the most recent language last
+        while len(self._accepted) > MAX_ACCEPTED_LANGUAGES:
+            del self._accepted[next(iter(self._accepted))]
+        ws = self.app.workspace
+        path = Path(path_from_uri(uri)) if uri.startswith("file:") else None
+        roots = [r for r in ws.roots if path is not None and (r == path or r in path.parents)] or ws.roots[:1]
+        if roots:
+            name = "".join(c if c.isalnum() or c in "-_" else "_" for c in language)[:32]
+            self.index_document(ACCEPTED_OWNER, (roots[0] / f".warmspec-accepted.{name}").as_uri(), kept)
 
     def open_documents(self) -> int:
         """Documents open over all connections (each counts its own)."""

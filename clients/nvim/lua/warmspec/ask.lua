@@ -149,6 +149,13 @@ function A.format_status(s)
     end
     table.insert(lines, line)
   end
+  local g = s.inline
+  if g and (g.requests or 0) > 0 then
+    local a = g.acceptance or {}
+    table.insert(lines, ("ghost text: %d requests (%d cancelled), first visible %.0f ms, final %.0f ms "
+      .. "(medians); %d of %d shown accepted, %d in part"):format(g.requests, g.cancelled or 0,
+      g.first_visible.p50_ms or 0, g.final.p50_ms or 0, a.accepted or 0, a.shown or 0, a.partial or 0))
+  end
   table.insert(lines, ("workspace: %d files indexed"):format(s.workspace_files or 0))
   return lines
 end

@@ -2,8 +2,8 @@
 --
 -- The built-in client does the framing, document sync (full text) and request bookkeeping; this
 -- module adds what it does not know: warmspec's own methods and the `warmspec/delta` stream,
--- ghost-text inline completion (ghost.lua) and the :WarmspecAsk / :WarmspecStatus commands
--- (ask.lua). Works on Neovim 0.7 and later (0.7: vim.lsp.start_client, no vim.lsp.start).
+-- ghost-text inline completion, streamed as it decodes (ghost.lua), next-edit suggestions
+-- (nextedit.lua) and the :WarmspecAsk / :WarmspecStatus commands (ask.lua). Works on Neovim 0.7 and later (0.7: vim.lsp.start_client, no vim.lsp.start).
 
 local M = {}
 
@@ -19,11 +19,24 @@ M.defaults = {
   inline = {
     enabled = true,
     debounce_ms = 150, -- idle time in insert mode before asking for ghost text
+    adaptive = true, -- debounce: the server's advice, and at least 1.2x the user's pause between keys
+    debounce_min_ms = 30,
+    debounce_max_ms = 600,
+    deadline_ms = nil, -- time budget of a suggestion (the server answers with what it has by then)
     accept_key = "<Tab>", -- insert-mode key that accepts the ghost text (false: no mapping)
+    accept_word_key = "<M-Right>", -- accepts its next word
+    accept_line_key = "<M-Down>", -- accepts its next line
+    cycle_key = "<M-]>", -- shows another suggestion (warmspec/alternatives)
+    alternatives = 3, -- how many to ask for
     trigger_key = false, -- insert-mode key that asks now, e.g. "<M-\\>"
-    max_tokens = 48, -- longest suggestion (the server's limit is 512)
+    max_tokens = 48, -- longest suggestion (the server's limit is 512; it adapts below it)
     prefix_chars = 4096, -- how much text before the cursor the model sees
     suffix_chars = 1024,
+  },
+  next_edit = {
+    enabled = true,
+    key = "<M-n>", -- normal and insert mode: jump to the suggested next edit and apply it
+    delay_ms = 200, -- after an edit, before asking
   },
   ask = {
     max_tokens = 512,
@@ -67,6 +80,12 @@ function M.guard(fn)
 end
 
 -- -- the client ---------------------------------------------------------------------------------
+
+local function on_partial(_, params)
+  if params then
+    require("warmspec.ghost").on_partial(params)
+  end
+end
 
 local function on_delta(_, params)
   local stream = params and state.streams[params.id]
@@ -138,9 +157,12 @@ local function start()
         maxTokens = cfg.inline.max_tokens,
         prefixChars = cfg.inline.prefix_chars,
         suffixChars = cfg.inline.suffix_chars,
+        stream = true,
+        debounceMs = cfg.inline.debounce_ms,
+        adapt = cfg.inline.adaptive,
       },
     },
-    handlers = { ["warmspec/delta"] = on_delta },
+    handlers = { ["warmspec/delta"] = on_delta, ["warmspec/inlineCompletionPartial"] = on_partial },
     flags = { debounce_text_changes = 100 },
     on_init = function(client)
       state.ready = true
@@ -343,6 +365,22 @@ function M.dismiss()
   require("warmspec.ghost").dismiss()
 end
 
+function M.accept_word()
+  return require("warmspec.ghost").accept_word()
+end
+
+function M.accept_line()
+  return require("warmspec.ghost").accept_line()
+end
+
+function M.cycle()
+  return require("warmspec.ghost").cycle()
+end
+
+function M.next_edit()
+  return require("warmspec.nextedit").apply()
+end
+
 function M.setup(opts)
   M.config = vim.tbl_deep_extend("force", vim.deepcopy(M.defaults), opts or {})
   local group = vim.api.nvim_create_augroup("warmspec", { clear = true })
@@ -360,6 +398,7 @@ function M.setup(opts)
     end
   end
   require("warmspec.ghost").setup(group, M.config.inline)
+  require("warmspec.nextedit").setup(group, M.config.next_edit)
 end
 
 return M
