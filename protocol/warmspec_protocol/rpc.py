@@ -169,6 +169,9 @@ class GenerateOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     seed: Seed | None = None
     speculate: bool = True
     conversation: str | None = None  # ranks files read in this conversation first for drafting
+    # the expected answer (OpenAI's predicted outputs): drafted first, from the answer's first token;
+    # it never changes the answer. The result's stats.sources.prediction counts its tokens.
+    prediction: str | None = None
 
 
 class ChatParams(GenerateOptions, kw_only=True, forbid_unknown_fields=True):

@@ -90,7 +90,7 @@ class App:
             raise Busy(f"queue full ({s.max_queue} requests waiting)")
 
     def check_fits(self, text: str) -> None:
-        """Refuse, without tokenizing it, a prompt text too long to fit the context at the most
+        """Refuse, without tokenizing it, a prompt (or prediction) text too long to fit the context at the most
         characters per token the vocabulary allows: 16 MiB of text is millions of tokens, seconds of
         CPU to count, and could never be served anyway."""
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
@@ -164,6 +164,19 @@ class App:
         self.check_fits(prompt)
         return self.lm.tokenizer.encode(prompt, add_special_tokens=True)
 
+    def prediction_tokens(self, text: str | None) -> list[int]:
+        """Token ids of a client's predicted output (OpenAI's ``prediction``), checked like a
+        prompt: refused, before it is tokenized, when it is too long to fit the context, since
+        the answer it predicts could not. Tokenizes, so transports call it in a worker thread."""
+        if not text:
+            return []
+        self.check_fits(text)
+        tokens = self.lm.tokenizer.encode(text)
+        ctx = self.lm.context_length
+        if ctx and len(tokens) >= ctx:
+            raise EngineError(f"prediction of {len(tokens)} tokens does not fit the context of {ctx}")
+        return tokens
+
     def sampling(self, **given: Any) -> SamplingParams:
         """The model's defaults overridden by whatever the client set (None = not set)."""
         changes = {k: v for k, v in given.items() if v is not None}
@@ -174,7 +187,8 @@ class App:
 
     def job(self, prompt: list[int], params: SamplingParams, *, max_tokens: int | None,
             stop: Sequence[str] | str | None = None, speculate: bool = True,
-            priority: int = PRIORITY_NORMAL, conversation: str | None = None, label: str = "") -> Job:
+            priority: int = PRIORITY_NORMAL, conversation: str | None = None, label: str = "",
+            prediction: Sequence[int] = ()) -> Job:
         lim = self.limits
         if max_tokens is None:
             max_tokens = lim.default_max_tokens
@@ -188,7 +202,7 @@ class App:
             raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {ctx}")
         return Job(prompt=prompt, params=params, max_tokens=max_tokens, stop=stops,
                    speculate=speculate and self.engine.speculate, priority=priority,
-                   conversation=conversation, label=label)
+                   conversation=conversation, label=label, prediction=list(prediction))
 
     # -- introspection ----------------------------------------------------------------------------
 
