@@ -1,7 +1,7 @@
 #!/usr/bin/env sh
 # Set up warmspec in ./.venv: an optimized BLAS where the system can give one, then the package.
 #   ./install.sh          the daemon and CLI
-#   ./install.sh --test   plus the test extras (pytest, openai and anthropic SDKs, headless Neovim)
+#   ./install.sh --test   plus the test extras (pytest, openai and anthropic SDKs, headless Neovim, aider)
 set -eu
 cd "$(dirname "$0")"
 extras=""
@@ -27,6 +27,14 @@ fi
 # The editor-client tests drive a real headless Neovim.
 if [ -n "$extras" ] && ! command -v nvim >/dev/null 2>&1; then
   apt_install neovim "the Neovim client tests need it"
+fi
+
+# The agent tests drive aider (PyPI), whose exactly pinned dependencies (numpy, openai, tokenizers...)
+# clash with ours: it gets a virtual environment of its own.
+if [ -n "$extras" ] && [ ! -x .venv-aider/bin/aider ]; then
+  { [ -x .venv-aider/bin/python ] || python3 -m venv .venv-aider; } &&
+    .venv-aider/bin/python -m pip install -q --disable-pip-version-check "aider-chat==0.86.2" ||
+    echo "install.sh: could not install aider into .venv-aider (tests/test_agents.py needs it)" >&2
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .types import GenerationStats, SourceCount
 
@@ -172,7 +172,12 @@ class ErrorResponse(Struct, kw_only=True):
 
 class Model(Struct, kw_only=True):
     """One model, with OpenAI's fields and Anthropic's (``type``, ``display_name``,
-    ``created_at``), so ``/v1/models`` serves both SDKs."""
+    ``created_at``), so ``/v1/models`` serves both SDKs; both keep the fields they do not know
+    (``model.model_extra``).
+
+    The context length in tokens, under the names agents already read from other local servers:
+    vLLM's ``max_model_len``, LM Studio's ``max_context_length``, and ``context_length`` (OpenRouter,
+    Ollama's ``/api/show``); absent when the model does not say."""
 
     id: str
     object: Literal["model"] = "model"
@@ -181,6 +186,9 @@ class Model(Struct, kw_only=True):
     type: Literal["model"] = "model"
     display_name: str
     created_at: str  # RFC 3339
+    max_model_len: int | UnsetType = UNSET
+    max_context_length: int | UnsetType = UNSET
+    context_length: int | UnsetType = UNSET
 
 
 class ModelList(Struct, kw_only=True):

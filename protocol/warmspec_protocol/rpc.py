@@ -157,8 +157,8 @@ class CancelParams(Struct, kw_only=True):
 
 class GenerateOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """What ``warmspec/chat`` and ``warmspec/complete`` share. Sampling fields left out (or null)
-    take the model's defaults; ``max_tokens`` defaults to the daemon's (1024) and may not exceed
-    its limit (8192)."""
+    take the model's defaults; without ``max_tokens`` the answer runs until the model stops or the
+    context ends, and no answer may exceed the daemon's limit (32768 tokens)."""
 
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     stop: str | list[str] | None = None

@@ -449,7 +449,9 @@ async def count_tokens(request: web.Request) -> web.Response:
 def _model(ctx: Context) -> oai.Model:
     name = ctx.app.lm.name
     started = datetime.fromtimestamp(ctx.app.started, timezone.utc).isoformat().replace("+00:00", "Z")
-    return oai.Model(id=name, created=int(ctx.app.started), display_name=name, created_at=started)
+    n = ctx.app.lm.context_length or msgspec.UNSET
+    return oai.Model(id=name, created=int(ctx.app.started), display_name=name, created_at=started,
+                     max_model_len=n, max_context_length=n, context_length=n)
 
 
 async def models(request: web.Request) -> web.Response:
