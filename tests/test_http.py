@@ -636,7 +636,8 @@ class ScriptedEngine:
     def reset(self) -> None:
         pass
 
-    def generate(self, prompt, params, *, max_tokens, stop=(), speculate=None, sources=(), cancelled=None):
+    def generate(self, prompt, params, *, max_tokens, stop=(), speculate=None, sources=(), prediction=(),
+                 cancelled=None):
         self.prompts.append(list(prompt))
         pieces = [self.reply[i:i + 5] for i in range(0, len(self.reply), 5)]
         for piece in pieces:

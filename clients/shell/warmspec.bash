@@ -68,7 +68,7 @@ _warmspec() {
   fi
 }
 
-# warmspec-edit [-w] FILE INSTRUCTION [-- ASK-OPTIONS]: a file first; after "--", ask's options.
+# warmspec-edit [-w] FILE INSTRUCTION [-- EDIT-OPTIONS]: a file first; after "--", edit's options.
 _warmspec_edit() {
   local cur=${COMP_WORDS[COMP_CWORD]} i words=0 dashdash=0
   for ((i = 1; i < COMP_CWORD; i++)); do
@@ -80,7 +80,7 @@ _warmspec_edit() {
   done
   COMPREPLY=()
   if ((dashdash)); then
-    [[ $cur == -* ]] && COMPREPLY=($(compgen -W "$(_warmspec_options ask | tr -d '=')" -- "$cur"))
+    [[ $cur == -* ]] && COMPREPLY=($(compgen -W "$(_warmspec_options edit | tr -d '=')" -- "$cur"))
   elif [[ $cur == -* ]]; then
     COMPREPLY=($(compgen -W "-w --write -h --help --" -- "$cur"))
   elif ((words == 0)); then

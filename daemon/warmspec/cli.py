@@ -1,4 +1,4 @@
-"""``warmspec`` command line: ask, pull, serve, lsp, stop, bench, soak."""
+"""``warmspec`` command line: ask, edit, pull, serve, lsp, stop, bench, soak."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from . import bench, blas, soak  # bench and soak import no MLX at module level: safe before the re-exec
 
 DEFAULT_MAX_TOKENS = 512
+EDIT_SYSTEM = ("You edit files. Reply with the complete new content of the file in one fenced code block "
+               "(```), then nothing else. Change only what the instruction asks for.")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
     _warm_args(ask, "; used when ask starts the daemon")
     _workspace_args(ask, "; used when ask starts the daemon")
 
+    edit = sub.add_parser("edit", help="have the model rewrite a file; the new file goes to stdout",
+                          description="Ask the daemon (started like ask does) to rewrite FILE as the "
+                                      "instruction says, with the file as the predicted output: the "
+                                      "answer is drafted from it from its first token, so the parts it "
+                                      "keeps cost a fraction of a pass each. The answer's first fenced "
+                                      "code block is the new file: printed, or written with --write. "
+                                      "Exit status 0: a new file; 3: the model changed nothing; 1: no "
+                                      "complete code block in the answer, or another error.")
+    edit.add_argument("file", type=Path)
+    edit.add_argument("instruction")
+    edit.add_argument("-w", "--write", action="store_true", help="write the new file in place instead of printing it")
+    edit.add_argument("--system", default=EDIT_SYSTEM, help="system prompt (default: asks for the whole file in one "
+                                                              "fenced code block)")
+    edit.add_argument("--max-tokens", type=int, default=None,
+                      help="most tokens of the answer (default: the daemon's, the rest of the context)")
+    edit.add_argument("--api-key", default=None, help="the daemon's api key (default: $WARMSPEC_API_KEY)")
+    _key_file_arg(edit, "the daemon's api key")
+    _model_args(edit)
+    _sampling_args(edit)
+    _daemon_args(edit)
+    _warm_args(edit, "; used when edit starts the daemon")
+    _workspace_args(edit, "; used when edit starts the daemon")
+
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
                            description="Serve JSON-RPC on a Unix socket (always), JSON-RPC over TCP "
                                        "(--rpc-port) and the HTTP API (--port).")
@@ -156,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "ask":
             return cmd_ask(args)
+        if args.command == "edit":
+            return cmd_edit(args)
         if args.command == "pull":
             return cmd_pull(args)
         if args.command in ("bench", "soak"):
@@ -257,6 +284,26 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 def ask_daemon(args: argparse.Namespace, err) -> int:
     """``ask`` as a client: stream the answer from the daemon; Ctrl-C cancels it there."""
+    out = sys.stdout
+    got = _daemon_chat(args, err, build_prompt_messages(args.question, args.file, args.system), args.file,
+                       on_text=lambda text: (out.write(text), out.flush()))
+    if isinstance(got, int):
+        if got == 130:
+            out.write("\n")
+        return got
+    out.write("\n")
+    out.flush()
+    result, model, interrupted = got
+    err.print(f"[dim]{model}: {result.stats.summary()}, first token after "
+              f"{result.ttft_s * 1000:.0f} ms[/dim]")
+    return 130 if interrupted else 0
+
+
+def _daemon_chat(args: argparse.Namespace, err, messages: list[dict], files: list[Path], *,
+                 on_text, prediction: str | None = None):
+    """One ``warmspec/chat`` through the daemon (started when none runs), the ``files`` reported
+    to its workspace first; ``on_text`` gets the answer as it streams and Ctrl-C cancels it there.
+    Returns (result, model name, interrupted), or an exit status after an error (said on ``err``)."""
     import msgspec
 
     from warmspec_protocol import Message
@@ -271,19 +318,35 @@ def ask_daemon(args: argparse.Namespace, err) -> int:
         try:
             client.initialize(api_key=api_key_from(args))
             models = check_model(client, args.model)
-            for f in args.file:
+            for f in files:
                 try:
                     client.call("warmspec/didRead", wire.DidReadParams(path=str(f.resolve())), wire.DidReadResult)
                 except RpcError as e:
                     if e.code != wire.ErrorCode.PATH_REFUSED:
                         raise
                     logging.getLogger("warmspec.cli").info("not indexed: %s", e.message)
-            messages = msgspec.convert(build_prompt_messages(args.question, args.file, args.system), list[Message])
-            params = wire.ChatParams(messages=messages, max_tokens=args.max_tokens, temperature=args.temp,
-                                     top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                                     speculate=not args.no_speculate)
-            return _stream_answer(client, params, models.models[0].id, err)
+            params = wire.ChatParams(messages=msgspec.convert(messages, list[Message]), max_tokens=args.max_tokens,
+                                     temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                     seed=args.seed, speculate=not args.no_speculate, prediction=prediction)
+            interrupted = False
+
+            def on_sigint(signum, frame):
+                nonlocal interrupted
+                interrupted = True
+
+            previous = signal.signal(signal.SIGINT, on_sigint)
+            try:
+                msg_id = client.start("warmspec/chat", params)
+                result = client.wait(msg_id, wire.GenerateResult, on_delta=lambda d: on_text(d.text),
+                                     on_progress=lambda p: err.print(f"[dim]warmspec: {p.message}[/dim]"),
+                                     interrupted=lambda: interrupted)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            return result, models.models[0].id, interrupted
         except RpcError as e:
+            if e.code == wire.ErrorCode.REQUEST_CANCELLED:
+                err.print("[dim]warmspec: cancelled[/dim]")
+                return 130
             err.print(f"[red]warmspec: {e.message}[/red]")
             return 1
         except (ConnectionError, TimeoutError) as e:
@@ -291,39 +354,66 @@ def ask_daemon(args: argparse.Namespace, err) -> int:
             return 1
 
 
-def _stream_answer(client, params, model: str, err) -> int:
-    from warmspec_protocol import rpc as wire
+def first_code_block(answer: str) -> str | None:
+    """The text inside the answer's first fenced code block (a language tag after the fence is
+    allowed), or None when there is none, or it is not closed (the answer was cut)."""
+    lines = answer.split("\n")
+    opened = None
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            if opened is None:
+                opened = i
+            else:
+                return "".join(f"{x}\n" for x in lines[opened + 1 : i])
+    return None
 
-    from .client import RpcError
 
-    interrupted = False
+def cmd_edit(args: argparse.Namespace) -> int:
+    """``edit``: the file goes into the prompt and, as it is now, as the predicted output (most of
+    an edit repeats it); the answer's first code block is the new file.
 
-    def on_sigint(signum, frame):
-        nonlocal interrupted
-        interrupted = True
+    The prediction matters most where the answer starts (before the answer has tokens to look up)
+    and where the file is not the prompt's last copy; where the prompt's copy agrees with the
+    answer for longer, the drafter takes the same tokens from there (counted as "request")."""
+    from rich.console import Console
 
-    out = sys.stdout
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        msg_id = client.start("warmspec/chat", params)
-        try:
-            result = client.wait(msg_id, wire.GenerateResult,
-                                 on_delta=lambda d: (out.write(d.text), out.flush()),
-                                 on_progress=lambda p: err.print(f"[dim]warmspec: {p.message}[/dim]"),
-                                 interrupted=lambda: interrupted)
-        except RpcError as e:
-            if e.code != wire.ErrorCode.REQUEST_CANCELLED:
-                raise
-            out.write("\n")
-            err.print("[dim]warmspec: cancelled[/dim]")
-            return 130
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    out.write("\n")
-    out.flush()
-    err.print(f"[dim]{model}: {result.stats.summary()}, first token after "
-              f"{result.ttft_s * 1000:.0f} ms[/dim]")
-    return 130 if interrupted else 0
+    err = Console(stderr=True, soft_wrap=True)
+    path: Path = args.file
+    if not path.is_file():
+        err.print(f"[red]warmspec: no such file: {path}[/red]")
+        return 2
+    old = path.read_text(errors="replace")
+    messages = build_prompt_messages(f"Rewrite the file {path.name}: {args.instruction}", [path], args.system)
+    # The answer asked for: the file in a fence. (The model may add a language tag or a sentence
+    # first; the drafter re-aligns on the file's own tokens.)
+    prediction = f"```\n{old}{'' if old.endswith(chr(10)) else chr(10)}```"
+    got = _daemon_chat(args, err, messages, [path], on_text=lambda text: None, prediction=prediction)
+    if isinstance(got, int):
+        return got
+    result, model, interrupted = got
+    s = result.stats
+    p = s.sources.get("prediction")
+    err.print(f"[dim]{model}: {s.summary()}; prediction: {p.accepted if p else 0} tokens accepted, "
+              f"{p.drafted - p.accepted if p else 0} rejected[/dim]")
+    if interrupted:
+        return 130
+    new = first_code_block(result.text)
+    if new is None:
+        cut = " (cut at the token limit)" if result.finish_reason == "length" else ""
+        err.print(f"warmspec: the answer has no complete code block{cut}; it was:\n{result.text}",
+                  markup=False, highlight=False)
+        return 1
+    if new == old:
+        err.print("warmspec: the model changed nothing")
+        return 3
+    if args.write:
+        with open(path, "w") as f:  # in place: keeps the file's mode, owner and links
+            f.write(new)
+        err.print(f"warmspec: wrote {path}", markup=False, highlight=False)
+    else:
+        sys.stdout.write(new)
+        sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":

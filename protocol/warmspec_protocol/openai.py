@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
-from .types import GenerationStats
+from .types import GenerationStats, SourceCount
 
 Seed = Annotated[int, Meta(ge=0)]  # numpy's generator rejects negative seeds
 ChatFinish = Literal["stop", "length", "tool_calls"]
@@ -40,6 +40,8 @@ class SpeculationStats(Struct, kw_only=True):
     tokens_per_pass: float
     acceptance: float
     decode_tok_s: float
+    # per guess source: "request", "workspace", "recent", "prediction" (a predicted output)
+    sources: dict[str, SourceCount] = {}
 
     @classmethod
     def of(cls, s: GenerationStats) -> "SpeculationStats":
@@ -48,7 +50,7 @@ class SpeculationStats(Struct, kw_only=True):
                    decode_s=round(s.decode_s, 4), passes=s.passes, drafted=s.drafted,
                    accepted=s.accepted, gated_steps=s.gated_steps,
                    tokens_per_pass=round(s.tokens_per_pass, 3), acceptance=round(s.acceptance, 3),
-                   decode_tok_s=round(s.decode_tok_s, 2))
+                   decode_tok_s=round(s.decode_tok_s, 2), sources=s.sources)
 
 
 class Health(Struct, kw_only=True):
@@ -112,11 +114,46 @@ class PromptTokensDetails(Struct, kw_only=True):
     cached_tokens: int
 
 
+class CompletionTokensDetails(Struct, kw_only=True):
+    """OpenAI's breakdown of the completion tokens; the prediction counts are those of Predicted
+    Outputs (a request's ``prediction``), zero without one.
+
+    OpenAI defines ``accepted_prediction_tokens`` as the prediction's tokens that appeared in the
+    completion and ``rejected_prediction_tokens`` as those that did not, while still costing
+    (counted like generated tokens). warmspec counts what its verifier did with them:
+
+    - accepted: tokens drafted from the prediction that the model's own decoding agreed with --
+      they are in the answer, each at the place the prediction put it (at most the answer's
+      length: a pass may agree past the end of the sequence, where the answer is cut);
+    - rejected: tokens drafted from the prediction that the model disagreed with, computed in a
+      verify pass and thrown away -- the work a wrong prediction cost.
+
+    Tokens of the prediction never drafted count in neither: past the end of the answer, or where
+    the drafter did not follow the prediction (after a divergence it re-aligns only where the
+    answer's last tokens occur in it again, and the gate drafts nothing where drafting would not
+    pay). So accepted + rejected is the prediction's share of the verify work, which may be less or
+    -- when parts of the prediction are drafted more than once -- more than its length.
+    """
+
+    reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+    @classmethod
+    def of(cls, s: GenerationStats) -> "CompletionTokensDetails":
+        c = s.sources.get("prediction")
+        if c is None:
+            return cls()
+        return cls(accepted_prediction_tokens=min(c.accepted, s.completion_tokens),
+                   rejected_prediction_tokens=c.drafted - c.accepted)
+
+
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class ErrorDetail(Struct, kw_only=True):
@@ -135,7 +172,12 @@ class ErrorResponse(Struct, kw_only=True):
 
 class Model(Struct, kw_only=True):
     """One model, with OpenAI's fields and Anthropic's (``type``, ``display_name``,
-    ``created_at``), so ``/v1/models`` serves both SDKs."""
+    ``created_at``), so ``/v1/models`` serves both SDKs; both keep the fields they do not know
+    (``model.model_extra``).
+
+    The context length in tokens, under the names agents already read from other local servers:
+    vLLM's ``max_model_len``, LM Studio's ``max_context_length``, and ``context_length`` (OpenRouter,
+    Ollama's ``/api/show``); absent when the model does not say."""
 
     id: str
     object: Literal["model"] = "model"
@@ -144,6 +186,9 @@ class Model(Struct, kw_only=True):
     type: Literal["model"] = "model"
     display_name: str
     created_at: str  # RFC 3339
+    max_model_len: int | UnsetType = UNSET
+    max_context_length: int | UnsetType = UNSET
+    context_length: int | UnsetType = UNSET
 
 
 class ModelList(Struct, kw_only=True):
@@ -165,6 +210,15 @@ class ChatMessage(Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
+class Prediction(Struct, kw_only=True):
+    """Predicted Outputs: text the answer is expected to repeat (the file being rewritten). It
+    becomes the first guess source, drafted from the answer's first token and ranked above every
+    other; it never changes the answer, only how fast it comes."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class ChatCompletionRequest(Struct, kw_only=True):
     model: str = ""
     messages: list[ChatMessage]
@@ -182,6 +236,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     logprobs: bool | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    prediction: Prediction | None = None
 
 
 class AssistantMessage(Struct, kw_only=True):
@@ -315,6 +370,9 @@ class FunctionToolChoice(Struct, kw_only=True):
 
 
 class ResponsesRequest(Struct, kw_only=True):
+    """A Responses API request. OpenAI defines no predicted outputs here (``prediction`` is a
+    chat completions parameter only, as of the openai SDK 3.57), so neither does warmspec."""
+
     model: str = ""
     input: str | list[InputItem]
     instructions: str | None = None

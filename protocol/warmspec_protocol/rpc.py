@@ -168,8 +168,8 @@ class CancelParams(Struct, kw_only=True):
 
 class GenerateOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """What ``warmspec/chat`` and ``warmspec/complete`` share. Sampling fields left out (or null)
-    take the model's defaults; ``max_tokens`` defaults to the daemon's (1024) and may not exceed
-    its limit (8192)."""
+    take the model's defaults; without ``max_tokens`` the answer runs until the model stops or the
+    context ends, and no answer may exceed the daemon's limit (32768 tokens)."""
 
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     stop: str | list[str] | None = None
@@ -180,6 +180,9 @@ class GenerateOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     seed: Seed | None = None
     speculate: bool = True
     conversation: str | None = None  # ranks files read in this conversation first for drafting
+    # the expected answer (OpenAI's predicted outputs): drafted first, from the answer's first token;
+    # it never changes the answer. The result's stats.sources.prediction counts its tokens.
+    prediction: str | None = None
 
 
 class ChatParams(GenerateOptions, kw_only=True, forbid_unknown_fields=True):

@@ -43,8 +43,11 @@ class Limits(msgspec.Struct, kw_only=True):
     """Bounds on what one request, or one client, may ask for."""
 
     max_body_bytes: int = 16 << 20
-    max_tokens: int = 8192
-    default_max_tokens: int = 1024
+    # The most tokens one answer may take, asked for or not. A request without max_tokens writes
+    # until the model stops or the context ends, as OpenAI and llama-server do (agents such as
+    # aider send none and expect a whole file back; a default of 1024 cut their answers), and this
+    # bounds it on models whose context is longer than any answer should be.
+    max_tokens: int = 32768
     max_stop: int = 16
     max_stop_len: int = 256
     # JSON-RPC connections (Unix socket and TCP together) served at once; the one over gets a
@@ -117,7 +120,7 @@ class App:
             raise Busy(f"queue full ({s.max_queue} requests waiting)")
 
     def check_fits(self, text: str) -> None:
-        """Refuse, without tokenizing it, a prompt text too long to fit the context at the most
+        """Refuse, without tokenizing it, a prompt (or prediction) text too long to fit the context at the most
         characters per token the vocabulary allows: 16 MiB of text is millions of tokens, seconds of
         CPU to count, and could never be served anyway."""
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
@@ -191,6 +194,19 @@ class App:
         self.check_fits(prompt)
         return self.lm.tokenizer.encode(prompt, add_special_tokens=True)
 
+    def prediction_tokens(self, text: str | None) -> list[int]:
+        """Token ids of a client's predicted output (OpenAI's ``prediction``), checked like a
+        prompt: refused, before it is tokenized, when it is too long to fit the context, since
+        the answer it predicts could not. Tokenizes, so transports call it in a worker thread."""
+        if not text:
+            return []
+        self.check_fits(text)
+        tokens = self.lm.tokenizer.encode(text)
+        ctx = self.lm.context_length
+        if ctx and len(tokens) >= ctx:
+            raise EngineError(f"prediction of {len(tokens)} tokens does not fit the context of {ctx}")
+        return tokens
+
     def sampling(self, **given: Any) -> SamplingParams:
         """The model's defaults overridden by whatever the client set (None = not set)."""
         changes = {k: v for k, v in given.items() if v is not None}
@@ -202,21 +218,22 @@ class App:
 
     def job(self, prompt: list[int], params: SamplingParams, *, max_tokens: int | None,
             stop: Sequence[str] | str | None = None, speculate: bool = True,
-            priority: int = PRIORITY_NORMAL, conversation: str | None = None, label: str = "") -> Job:
+            priority: int = PRIORITY_NORMAL, conversation: str | None = None, label: str = "",
+            prediction: Sequence[int] = ()) -> Job:
         lim = self.limits
-        if max_tokens is None:
-            max_tokens = lim.default_max_tokens
+        ctx = self.lm.context_length
+        if ctx and len(prompt) >= ctx:
+            raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {ctx}")
+        if max_tokens is None:  # the rest of the context (see Limits.max_tokens)
+            max_tokens = min(lim.max_tokens, ctx - len(prompt)) if ctx else lim.max_tokens
         if not 0 < max_tokens <= lim.max_tokens:
             raise EngineError(f"max_tokens must be between 1 and {lim.max_tokens}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > lim.max_stop or any(len(s) > lim.max_stop_len for s in stops):
             raise EngineError(f"at most {lim.max_stop} stop strings of {lim.max_stop_len} characters")
-        ctx = self.lm.context_length
-        if ctx and len(prompt) >= ctx:
-            raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {ctx}")
         return Job(prompt=prompt, params=params, max_tokens=max_tokens, stop=stops,
                    speculate=speculate and self.engine.speculate, priority=priority,
-                   conversation=conversation, label=label)
+                   conversation=conversation, label=label, prediction=list(prediction))
 
     # -- introspection ----------------------------------------------------------------------------
 

@@ -72,7 +72,8 @@ def _function(call: ParsedCall) -> oai.FunctionCall:
 def _usage(s: GenerationStats) -> oai.Usage:
     return oai.Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
                      total_tokens=s.prompt_tokens + s.completion_tokens,
-                     prompt_tokens_details=oai.PromptTokensDetails(cached_tokens=s.cached_tokens))
+                     prompt_tokens_details=oai.PromptTokensDetails(cached_tokens=s.cached_tokens),
+                     completion_tokens_details=oai.CompletionTokensDetails.of(s))
 
 
 class Dialect:

@@ -366,12 +366,12 @@ SampledRequest = oai.ChatCompletionRequest | oai.CompletionRequest | oai.Respons
 
 
 def _job(ctx: Context, prompt: list[int] | ChatPrompt, req: SampledRequest, *, max_tokens: int | None,
-         stop: str | list[str] | None, label: str) -> Job:
+         stop: str | list[str] | None, label: str, prediction: Sequence[int] = ()) -> Job:
     params = ctx.app.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               min_p=req.min_p, seed=req.seed)
     if isinstance(prompt, ChatPrompt):
         return ctx.app.job(prompt.tokens, params, max_tokens=max_tokens, stop=stop, label=label,
-                           conversation=prompt.conversation)
+                           conversation=prompt.conversation, prediction=prediction)
     return ctx.app.job(prompt, params, max_tokens=max_tokens, stop=stop, label=label)
 
 
@@ -388,9 +388,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
     tools = _tools(ctx, req.tools, _openai_choice(req.tool_choice))
+    predicted = _text(req.prediction.content, ("text",), "prediction.content") if req.prediction else None
     prompt = await _prompt(ctx, _chat_messages(req.messages), tools)
+    prediction = await asyncio.to_thread(ctx.app.prediction_tokens, predicted)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    job = _job(ctx, prompt, req, max_tokens=max_tokens, stop=req.stop, label="http chat")
+    job = _job(ctx, prompt, req, max_tokens=max_tokens, stop=req.stop, label="http chat", prediction=prediction)
     dialect = ChatDialect(ctx.app.lm.name, bool(req.stream_options and req.stream_options.include_usage))
     return await _serve(request, job, dialect, stream=req.stream, tools=tools is not None)
 
@@ -452,7 +454,9 @@ async def count_tokens(request: web.Request) -> web.Response:
 def _model(ctx: Context) -> oai.Model:
     name = ctx.app.lm.name
     started = datetime.fromtimestamp(ctx.app.started, timezone.utc).isoformat().replace("+00:00", "Z")
-    return oai.Model(id=name, created=int(ctx.app.started), display_name=name, created_at=started)
+    n = ctx.app.lm.context_length or msgspec.UNSET
+    return oai.Model(id=name, created=int(ctx.app.started), display_name=name, created_at=started,
+                     max_model_len=n, max_context_length=n, context_length=n)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -406,9 +406,10 @@ class Connection(LanguageServer):
         try:
             params = app.sampling(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
                                   min_p=opts.min_p, seed=opts.seed)
+            prediction = await asyncio.to_thread(app.prediction_tokens, opts.prediction)
             job = app.job(prompt, params, max_tokens=opts.max_tokens, stop=opts.stop,
                           speculate=opts.speculate, conversation=opts.conversation,
-                          priority=PRIORITY_NORMAL, label=f"{self.name} #{msg_id}")
+                          priority=PRIORITY_NORMAL, label=f"{self.name} #{msg_id}", prediction=prediction)
         except EngineError as e:
             raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
         first: float | None = None

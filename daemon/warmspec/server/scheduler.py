@@ -47,6 +47,7 @@ class Job(msgspec.Struct, kw_only=True):
     priority: int = PRIORITY_NORMAL
     conversation: str | None = None  # ranks files read in this conversation first
     label: str = ""  # for logs: transport and request id
+    prediction: list[int] = []  # the client's predicted output (OpenAI's), drafted first
 
 
 class Busy(EngineError):
@@ -223,7 +224,8 @@ class Scheduler:
         try:
             for event in self.engine.generate(job.prompt, job.params, max_tokens=job.max_tokens,
                                               stop=job.stop, speculate=job.speculate,
-                                              sources=sources, cancelled=ticket.cancelled.is_set):
+                                              sources=sources, prediction=job.prediction,
+                                              cancelled=ticket.cancelled.is_set):
                 ticket._push(event)
                 if isinstance(event, Finished):
                     self.recent.append(event.stats)
