@@ -225,7 +225,7 @@ def test_sampled_drafts_carry_the_processed_distribution():
     assert len(drafts) == len(qs) == 3
     # the first q is the target's processing of the head's logits at the last committed pair
     logits, _ = head(hidden[:, :-1], mx.array([tokens[1:]]), head.make_cache())
-    from warmspec.sampling import distribution
+    from warmspec.core.sampling import distribution
     np.testing.assert_allclose(qs[0], distribution(np.array(logits[0, -1]), params), atol=1e-6)
     assert all(q[d] > 0 for q, d in zip(qs, drafts))
 
