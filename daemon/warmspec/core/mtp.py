@@ -262,13 +262,18 @@ class MTPHead(nn.Module):
         self._parts = None if model is None else target_parts(model)
         self._rows = None  # gathered from the new target on first use
 
+    def ready(self) -> None:
+        """Gather the draft vocabulary's output rows from the target now (not inside a traced
+        function, nor in the middle of an answer); a no-op without a draft vocabulary."""
+        if self._vocab is not None and self._rows is None:
+            self._rows = self._parts.output_rows(self._vocab)
+            mx.eval(self._rows)
+
     def score(self, g: mx.array) -> mx.array:
         """Logits over the target's vocabulary, or over the draft vocabulary's columns."""
         if self._vocab is None:
             return self._parts.logits(g)
-        if self._rows is None:
-            self._rows = self._parts.output_rows(self._vocab)
-            mx.eval(self._rows)
+        self.ready()
         w, b = self._rows
         out = g @ w.T
         return out if b is None else out + b
@@ -530,8 +535,7 @@ def build(target: LoadedModel, weights: dict[str, mx.array], recipe: Recipe, *, 
         head = dequantize_model(head)
     head.eval()
     mx.eval(head.parameters())
-    if head.draft_vocab is not None:
-        head.score(mx.zeros((1, parts.hidden_size), dtype=dtype))  # gather the rows now, not mid-answer
+    head.ready()
     return head
 
 
@@ -553,6 +557,44 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def target_identity(target: LoadedModel) -> dict[str, Any]:
+    """Which target a head was trained against: its weights file's SHA-256 (a GGUF, or every
+    safetensors file of a model directory, in order; the default model's 93 MB GGUF hashes in
+    ~0.2 s), else a digest of the weights in memory (random test models); and its shape."""
+    parts = target_parts(target.model)
+    src = Path(target.source)
+    if src.is_file():
+        sha = file_sha256(src)
+    elif src.is_dir() and list(src.glob("*.safetensors")):
+        digest = hashlib.sha256()
+        for f in sorted(src.glob("*.safetensors")):
+            digest.update(file_sha256(f).encode())
+        sha = digest.hexdigest()
+    else:
+        digest = hashlib.sha256()
+        for k, v in tree_flatten(target.model.parameters()):
+            digest.update(k.encode())
+            digest.update(np.array(v.astype(mx.float32)).tobytes())
+        sha = digest.hexdigest()
+    return {"name": target.name, "file": src.name if src.exists() else target.source, "sha256": sha,
+            "vocab_size": parts.vocab_size, "hidden_size": parts.hidden_size,
+            "num_layers": len(parts.inner.layers)}
+
+
+def check_target(path: Path | str, target: LoadedModel) -> None:
+    """Refuse a standalone head whose recipe names another target than ``target`` (by the
+    weights' SHA-256 that ``warmspec forge`` records); heads without a recorded target pass."""
+    path = Path(path)
+    want = (read_recipe(path).get("target") or {}).get("sha256")
+    if want is None:
+        return
+    got = target_identity(target)
+    if got["sha256"] != want:
+        named = (read_recipe(path).get("target") or {}).get("file", "?")
+        raise MTPError(f"{path.name} was trained for {named} (sha256 {want[:12]}…), but the loaded "
+                       f"model {target.name} ({got['file']}) has sha256 {got['sha256'][:12]}…")
 
 
 def read_recipe(path: Path | str) -> dict[str, Any]:
