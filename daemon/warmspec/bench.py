@@ -564,12 +564,20 @@ def model_drafters(lm: LoadedModel, modes: Sequence[str], mtp_path: Path | None,
     the head attaches to the loaded target, never a second copy of its weights."""
     from .core.draft_model import DraftModel
     from .core.mtp import load_mtp
+    from .fetch import DEFAULT_MODEL_NAME
 
     out: dict = {}
     if any("mtp" in m for m in modes):
         if mtp_path is None:
-            raise ValueError("mode mtp needs --mtp PATH (a checkpoint with mtp.* tensors or a head file)")
-        out["mtp"] = load_mtp(mtp_path, lm)
+            from .heads import default_head
+
+            head = default_head(lm) if lm.name == DEFAULT_MODEL_NAME else None
+            if head is None:
+                raise ValueError("mode mtp needs --mtp PATH (a checkpoint with mtp.* tensors or a head "
+                                 "file); only the default model has a head shipped for it")
+            out["mtp"] = head
+        else:
+            out["mtp"] = load_mtp(mtp_path, lm)
     if "draft" in modes:
         if draft_model is None:
             raise ValueError("mode draft needs --draft-model M")
@@ -877,7 +885,8 @@ def add_parser(subparsers) -> None:
                    help="comma-separated modes among plain,ngram,mtp,draft (empty: replay only; "
                         "default plain,ngram)")
     p.add_argument("--mtp", type=Path, default=None, metavar="PATH",
-                   help="the MTP head for mode mtp (checkpoint directory or head file)")
+                   help="the MTP head for mode mtp (checkpoint directory or head file; default: the "
+                        "head shipped for the default model)")
     p.add_argument("--draft-model", default=None, metavar="M", help="the draft model for mode draft")
     p.add_argument("--repeat", type=int, default=1, help="runs per case and mode (medians)")
     p.add_argument("--limit", type=int, default=None, help="first N cases of each file")

@@ -1,4 +1,4 @@
-"""``warmspec`` command line: ask, edit, pull, serve, lsp, stop, bench, soak."""
+"""``warmspec`` command line: ask, edit, pull, serve, lsp, stop, bench, soak, forge."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, blas, soak  # bench and soak import no MLX at module level: safe before the re-exec
+from . import bench, blas, forge, soak  # bench, forge and soak import no MLX at module level: safe before the re-exec
 
 DEFAULT_MAX_TOKENS = 512
 EDIT_SYSTEM = ("You edit files. Reply with the complete new content of the file in one fenced code block "
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_parser(sub)
     soak.add_parser(sub)
+    forge.add_parser(sub)
     return parser
 
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_edit(args)
         if args.command == "pull":
             return cmd_pull(args)
-        if args.command in ("bench", "soak"):
+        if args.command in ("bench", "soak", "forge"):
             return args.func(args)
         if args.command == "lsp" and not args.in_process:
             from .proxy import cmd_lsp

@@ -179,15 +179,19 @@ def api_key_from(args: argparse.Namespace) -> str | None:
 def engine_for(lm, args: argparse.Namespace, **kw):
     """The engine the command line asks for: speculation on or off, the draft ceiling, and the
     guess source -- an MTP head (``--mtp PATH``: a checkpoint directory with ``mtp.*`` tensors or
-    a standalone head file), a draft model (``--draft-model M``), else n-gram lookup. Raises
-    ``ModelError`` for a drafter that cannot be loaded or does not fit the model."""
+    a standalone head file), a draft model (``--draft-model M``), else n-gram lookup. The default
+    model (no ``--model``) gets the head shipped for it (``warmspec/heads``) when none is given,
+    after checking that the head was trained for this very file. Raises ``ModelError`` for a
+    drafter that cannot be loaded or does not fit the model."""
     from ..core import MAX_DRAFT, Engine, default_cost_cache
     from ..core.draft_model import DraftModel
     from ..core.mtp import MTPError, load_mtp
+    from ..heads import default_head
     from ..model import ModelError
 
     max_draft = args.max_draft or MAX_DRAFT
     mtp = draft = None
+    drafting = None
     try:
         if getattr(args, "mtp", None):
             mtp = load_mtp(args.mtp, lm)
@@ -195,8 +199,14 @@ def engine_for(lm, args: argparse.Namespace, **kw):
             draft = DraftModel.load(args.draft_model, lm)
     except MTPError as e:
         raise ModelError(f"--mtp {args.mtp}: {e}") from None
+    if mtp is None and draft is None and getattr(args, "model", None) is None and not args.no_speculate:
+        mtp = default_head(lm)
+        # Attached, not drafting alone: the head drafts new prose, n-gram lookup copied text
+        # (5.8x on edits), and choosing between them per step is the engine's "ngram+mtp" mode;
+        # until the engine has it, the shipped head waits here.
+        drafting = "ngram"
     return Engine(lm, speculate=not args.no_speculate, max_draft=max_draft, mtp=mtp, draft_model=draft,
-                  cost_cache=default_cost_cache(lm, max_draft), **kw)
+                  drafting=drafting, cost_cache=default_cost_cache(lm, max_draft), **kw)
 
 
 def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None):

