@@ -26,11 +26,10 @@ import pytest
 import tiny
 from test_http import COSTS, Server
 from warmspec.client import Client
-from warmspec.engine import Delta, Engine, Finished
-from warmspec.gate import CostTable
+from warmspec.core import Delta, Engine, Finished, GenerationStats
+from warmspec.core import CostTable
 from warmspec.server.app import App, Limits
 from warmspec.server.rpc import RpcService
-from warmspec_protocol import GenerationStats
 from warmspec_protocol import rpc as wire
 
 CONTEXT = 1500  # more than the 1024 tokens the daemon once gave a request without max_tokens

@@ -482,12 +482,13 @@ def test_a_short_replay_types_the_file_through_the_protocol():
     is accounted for, and the daemon counted the session's tokens."""
     lm = tiny.build("llama")
     text = replay.DEFAULT_FILE.read_text()
-    start, end = replay.span(text, (30, 30))
+    line = text.splitlines().index("    x -= x.max()") + 1
+    start, end = replay.span(text, (line, line))
     side = replay.run_side(lm, text, start, end, adapt=True, budget_ms=100)
     assert side.text_ok and side.typed_chars + side.accepted_chars == end - start
     assert side.requests and all(r.outcome in ("answered", "cancelled", "late") for r in side.requests)
     assert side.tokens_generated > 0 and side.model_s > 0
     answered = [r for r in side.requests if r.outcome == "answered"]
     assert all(r.final_ms is not None and r.finish in ("stop", "length", "deadline", "cache") for r in answered)
-    md = replay.report([side], "sampling.py", (30, 30), lm.name)
+    md = replay.report([side], "sampling.py", (line, line), lm.name)
     assert "characters accepted per second of model time" in md

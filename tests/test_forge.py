@@ -21,7 +21,7 @@ from warmspec.core import mtp
 from warmspec.core.engine import Engine, Finished
 from warmspec.core.types import SamplingParams
 
-CFG = forge.Config(prose=0, code=0, answers=0, answer_tokens=16, window=64, top_k=4, vocab=48,
+CFG = forge.Config(prose=0, code=0, answers=0, answer_tokens=16, window=128, top_k=4, vocab=48,
                    steps=6, batch=4, crop=24, warmup=2, eval_positions=12, gen_batch=4, pass_batch=4)
 
 

@@ -21,7 +21,7 @@ from conftest import SAMPLE_FILE
 from test_http import Server
 from warmspec.cli import EDIT_SYSTEM, build_prompt_messages, first_code_block
 from warmspec.client import Client
-from warmspec.engine import Engine
+from warmspec.core import Engine
 from warmspec.server.app import App
 from warmspec.server.rpc import RpcService
 from warmspec_protocol import Message

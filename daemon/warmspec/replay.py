@@ -48,7 +48,7 @@ import msgspec
 from warmspec_protocol import rpc as wire
 
 DEFAULT_FILE = Path(__file__).parent / "core" / "sampling.py"
-DEFAULT_LINES = (29, 40)  # most of the body of ``distribution``
+DEFAULT_LINES = (34, 45)  # most of the body of ``distribution`` (core/sampling.py)
 PACE = {"word": 0.150, "blank": 0.350, "line": 0.800}
 READ_S = 0.2
 BASE_DEBOUNCE_MS = 150
