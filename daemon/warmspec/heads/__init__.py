@@ -30,7 +30,7 @@ def default_head(lm: "LoadedModel", path: Path = DEFAULT_HEAD) -> "MTPHead | Non
     from ..core.mtp import MTPError, check_target, load_mtp
 
     if not path.exists():
-        log.warning("no MTP head shipped at %s: drafting with n-gram lookup only", path)
+        log.info("no MTP head shipped at %s: drafting with n-gram lookup only", path)
         return None
     try:
         check_target(path, lm)

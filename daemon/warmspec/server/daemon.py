@@ -191,7 +191,6 @@ def engine_for(lm, args: argparse.Namespace, **kw):
 
     max_draft = args.max_draft or MAX_DRAFT
     mtp = draft = None
-    drafting = None
     try:
         if getattr(args, "mtp", None):
             mtp = load_mtp(args.mtp, lm)
@@ -200,13 +199,11 @@ def engine_for(lm, args: argparse.Namespace, **kw):
     except MTPError as e:
         raise ModelError(f"--mtp {args.mtp}: {e}") from None
     if mtp is None and draft is None and getattr(args, "model", None) is None and not args.no_speculate:
+        # The head drafts new prose and n-gram lookup copied text: the engine's default with a
+        # head is "ngram+mtp", which picks per step from measured acceptance and costs.
         mtp = default_head(lm)
-        # Attached, not drafting alone: the head drafts new prose, n-gram lookup copied text
-        # (5.8x on edits), and choosing between them per step is the engine's "ngram+mtp" mode;
-        # until the engine has it, the shipped head waits here.
-        drafting = "ngram"
     return Engine(lm, speculate=not args.no_speculate, max_draft=max_draft, mtp=mtp, draft_model=draft,
-                  drafting=drafting, cost_cache=default_cost_cache(lm, max_draft), **kw)
+                  cost_cache=default_cost_cache(lm, max_draft), **kw)
 
 
 def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None):
