@@ -198,13 +198,11 @@ def test_engine_with_a_draft_vocab_head_is_greedy_exact(arch):
 
 # -- the shipped head ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def default_lm():
-    from warmspec.model import load
-
-    return load(None)
+needs_head = pytest.mark.skipif(not heads.DEFAULT_HEAD.exists(),
+                                reason="no head shipped for the default model in this checkout (warmspec forge makes it)")
 
 
+@needs_head
 def test_shipped_head_attaches_to_the_default_model(default_lm):
     recipe = mtp.read_recipe(heads.DEFAULT_HEAD)
     assert heads.DEFAULT_HEAD.stat().st_size <= 10_000_000
@@ -215,6 +213,7 @@ def test_shipped_head_attaches_to_the_default_model(default_lm):
     assert head is not None and head.draft_vocab.size == recipe["draft_vocab_size"]
 
 
+@needs_head
 def test_engine_for_the_default_model_carries_the_shipped_head(default_lm):
     import argparse
 
@@ -225,6 +224,7 @@ def test_engine_for_the_default_model_carries_the_shipped_head(default_lm):
     assert engine.mtp is not None and engine.mtp.draft_vocab is not None
 
 
+@needs_head
 def test_shipped_head_for_other_weights_is_refused(default_lm, tmp_path, caplog):
     for suffix in (".safetensors", ".json"):
         shutil.copy(heads.DEFAULT_HEAD.with_suffix(suffix), tmp_path / f"h{suffix}")
