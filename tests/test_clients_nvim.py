@@ -207,7 +207,11 @@ require("warmspec").setup({{ cmd = {{ "/nonexistent/warmspec", "lsp" }} }})
 vim.cmd("edit {tmp_path / 'a.py'}")
 vim.cmd("WarmspecAsk hello")
 vim.cmd("WarmspecStatus")
-vim.wait(200) -- messages are shown from the main loop
+-- messages are shown from the main loop: wait for both of them
+vim.wait(20000, function()
+  local m = vim.fn.execute("messages")
+  return m:find("cannot start the server", 1, true) ~= nil and m:find("the server is not running", 1, true) ~= nil
+end, 20)
 vim.fn.writefile(vim.split(vim.fn.execute("messages"), "\\n"), "{out}")
 vim.cmd("qa!")
 ''')

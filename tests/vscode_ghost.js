@@ -2,11 +2,16 @@
 // opens FILE, types TYPED at its end, waits for a ghost suggestion from the warmspec extension,
 // takes a screenshot, accepts it with Tab, saves, and prints one JSON line: {"ghost": ...}.
 //
-//   node vscode_ghost.js URL FILE TYPED SCREENSHOT     (PUPPETEER: the puppeteer-core module path)
+//   node vscode_ghost.js URL FILE TYPED SCREENSHOT PATH  (PATH: FILE on disk; PUPPETEER: the
+//                                                        puppeteer-core module path)
+//
+// Every step waits for the state it needs (the cursor on the last line, the file saved as typed,
+// the suggestion still for 1.5 s) and checks what the editor did by reading the saved file.
 
+const fs = require('fs');
 const puppeteer = require(process.env.PUPPETEER);
 
-const [url, file, typed, screenshot] = process.argv.slice(2);
+const [url, file, typed, screenshot, filePath] = process.argv.slice(2);
 const GHOST = '.ghost-text-decoration, .ghost-text-decoration-preview, .ghost-text';
 
 function step(what) {
@@ -38,39 +43,82 @@ async function main() {
     await page.waitForSelector(`.tab[data-resource-name="${file}"], .tab[aria-label^="${file}"]`);
     await page.waitForSelector('.monaco-editor .view-lines');
     await page.click('.monaco-editor .view-lines');
-    await page.keyboard.down('Control');
-    await page.keyboard.press('End');
-    await page.keyboard.up('Control');
+    const ctrl = async (key) => {
+      await page.keyboard.down('Control');
+      await page.keyboard.press(key);
+      await page.keyboard.up('Control');
+    };
+    // Saved and read back: the file on disk is what the editor did. ``until`` tells when to stop
+    // waiting for the save to land (the tab's dirty mark is not reliable here: code-server may save by itself).
+    const saved = async (until, ms = 10000) => {
+      await ctrl('KeyS');
+      const end = Date.now() + ms;
+      let text = fs.readFileSync(filePath, 'utf8');
+      while (!until(text) && Date.now() < end) {
+        await new Promise((r) => setTimeout(r, 100));
+        text = fs.readFileSync(filePath, 'utf8');
+      }
+      return text;
+    };
+    const original = fs.readFileSync(filePath, 'utf8');
+    const lastLine = original.split('\n').length;  // Ctrl+End: the line after the final newline
+    await ctrl('End');
+    await page.waitForFunction(
+      (ln) => (document.querySelector('.statusbar')?.innerText || '').includes(`Ln ${ln}, Col 1`),
+      { timeout: 30000 }, lastLine);
+    await page.waitForFunction(() => document.activeElement && document.activeElement.closest('.monaco-editor'),
+                               { timeout: 30000 });
     step('typing');
-    // The ghost text can come and go while the server starts (the first request waits for the
-    // model); type, and if nothing shows within a while, retype the last character to ask again.
     await page.keyboard.type(typed, { delay: 60 });
+    const base = original + typed;
+    const typedFile = await saved((t) => t === base);
+    if (typedFile !== base) throw new Error(`the typed text did not land at the end of the file: ${JSON.stringify(typedFile.slice(-80))}`);
+    const ghostText = () => page.evaluate(
+      (sel) => [...document.querySelectorAll(sel)].map((e) => e.textContent).join(''), GHOST);
+    // The ghost text can come and go while the server starts (the first request waits for the
+    // model), and a streamed suggestion changes as it grows: wait until one has stayed the same
+    // for 1.5 s; if none shows within a while, retype the last character to ask again.
+    async function stableGhost() {
+      await page.waitForFunction(
+        (sel) => [...document.querySelectorAll(sel)].some((e) => e.textContent.trim().length > 0),
+        { timeout: 30000 }, GHOST);
+      let last = await ghostText();
+      for (let still = 0; still < 15; ) {
+        await new Promise((r) => setTimeout(r, 100));
+        const now = await ghostText();
+        still = now === last && now.trim() ? still + 1 : 0;
+        last = now;
+      }
+      return last;
+    }
     let ghost = '';
-    for (let attempt = 0; attempt < 8 && !ghost; attempt++) {
+    let accepted = false;
+    for (let attempt = 0; attempt < 8 && !accepted; attempt++) {
       try {
-        await page.waitForFunction(
-          (sel) => [...document.querySelectorAll(sel)].some((e) => e.textContent.trim().length > 0),
-          { timeout: 30000 }, GHOST);
-        ghost = await page.evaluate(
-          (sel) => [...document.querySelectorAll(sel)].map((e) => e.textContent).join(''), GHOST);
+        ghost = await stableGhost();
       } catch (err) {
         step(`no ghost text yet (attempt ${attempt + 1}); retyping the last character`);
         await page.keyboard.press('Backspace');
         await page.keyboard.type(typed.slice(-1), { delay: 60 });
+        continue;
+      }
+      step(`ghost text: ${JSON.stringify(ghost)}`);
+      await page.screenshot({ path: screenshot });
+      await page.keyboard.press('Tab');
+      const now = await saved((t) => t !== base, 5000);
+      if (now.startsWith(base) && now.slice(base.length).trim()) {
+        accepted = true;
+      } else if (now !== base) {
+        // The suggestion went away just before Tab (a newer request replaced it): Tab indented.
+        step('the suggestion was gone when Tab was pressed; undoing the indent');
+        await ctrl('KeyZ');
+        await saved((t) => t === base);
       }
     }
-    if (!ghost) {
+    if (!accepted) {
       await page.screenshot({ path: screenshot });
-      throw new Error('no ghost text appeared');
+      throw new Error(ghost ? 'the ghost text was never accepted' : 'no ghost text appeared');
     }
-    step(`ghost text: ${JSON.stringify(ghost)}`);
-    await page.screenshot({ path: screenshot });
-    await page.keyboard.press('Tab');
-    await page.waitForFunction((sel) => document.querySelectorAll(sel).length === 0, { timeout: 30000 }, GHOST);
-    await page.keyboard.down('Control');
-    await page.keyboard.press('KeyS');
-    await page.keyboard.up('Control');
-    await page.waitForFunction(() => !document.querySelector('.tab.dirty'), { timeout: 30000 });
     process.stdout.write(JSON.stringify({ ghost }) + '\n');
   } finally {
     await browser.close();

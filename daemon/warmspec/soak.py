@@ -1384,7 +1384,9 @@ async def sample(ctx: Ctx, conn: Rpc | None) -> Status | None:
         queue=status.queue if status else None, active=status.active if status else None,
         prefix_cache_bytes=status.prefix_cache.bytes if status else None,
         prefix_cache_entries=status.prefix_cache.entries if status else None,
-        workspace_bytes=status.workspace_bytes if status else None))
+        workspace_bytes=status.workspace_bytes if status else None,
+        mlx_active_bytes=status.memory.mlx_active_bytes if status else None,
+        mlx_cache_bytes=status.memory.mlx_cache_bytes if status else None))
     return status
 
 
@@ -1682,8 +1684,10 @@ def report(res: SoakResults) -> str:
                + (" Plot: rss.png." if (res.memory and _has_matplotlib()) else "")), ""]
     step = max(1, math.ceil(len(res.memory) / 20))
     shown = list(res.memory[::step]) + ([res.memory[-1]] if res.memory and (len(res.memory) - 1) % step else [])
-    lines += _table(("t s", "RSS MiB", "prefix cache MiB", "entries", "workspace MiB", "queue", "status latency s"),
-                    [(f"{x.t_s:.0f}", _mib(x.rss_bytes), _mib(x.prefix_cache_bytes), x.prefix_cache_entries
+    lines += _table(("t s", "RSS MiB", "MLX active MiB", "MLX cache MiB", "prefix cache MiB", "entries",
+                     "workspace MiB", "queue", "status latency s"),
+                    [(f"{x.t_s:.0f}", _mib(x.rss_bytes), _mib(x.mlx_active_bytes), _mib(x.mlx_cache_bytes),
+                      _mib(x.prefix_cache_bytes), x.prefix_cache_entries
                       if x.prefix_cache_entries is not None else "", _mib(x.workspace_bytes),
                       x.queue if x.queue is not None else "", _s(x.status_latency_s)) for x in shown])
     equal = sum(r.equal for r in res.replays)

@@ -82,6 +82,8 @@ class MemorySample(Struct, kw_only=True):
     prefix_cache_bytes: int | None = None
     prefix_cache_entries: int | None = None
     workspace_bytes: int | None = None
+    mlx_active_bytes: int | None = None  # arrays alive in MLX (weights, caches, live passes)
+    mlx_cache_bytes: int | None = None  # freed buffers MLX keeps for reuse
 
 
 class KindSummary(Struct, kw_only=True):
