@@ -175,6 +175,8 @@ def start_daemon(role: str, out: Path, settings: SoakSettings, workspace: Path) 
     log = out / f"daemon-{role}.log"
     cmd = [sys.executable, "-m", "warmspec", "serve", "--socket", str(sock), "--port", "0",
            "--workspace", str(workspace), "--prefix-budget", str(settings.prefix_budget_bytes),
+           # a disk tier of its own: states other runs left in the user's cache are not this run's
+           "--prefix-disk-dir", str(rt / "prefix"),
            *(["--model", settings.model] if settings.model else [])]
     env = dict(os.environ, WARMSPEC_RUNTIME_DIR=str(rt))
     env.pop("WARMSPEC_API_KEY", None)
@@ -940,6 +942,9 @@ class Editor:
 
     async def change(self) -> None:
         self.ctx.keystrokes += 1
+        for p in self.pending:  # the daemon cancels a document's running suggestion when it changes
+            if not p.fut.done() and p.expected_end is None:
+                p.expected_end = "edited"
         if await self.sync():
             self.version += 1
             await self.notify("textDocument/didChange", {"textDocument": {"uri": self.uri, "version": self.version},
@@ -1871,6 +1876,10 @@ def run(args: argparse.Namespace) -> int:
         long_prompt_chars=args.long_prompt_chars, prefix_budget_bytes=args.prefix_budget,
         workspace_files=args.workspace_files, sample_s=args.sample_s, warmup_fraction=0.2,
         drain_s=args.drain_s, request_timeout_s=args.request_timeout)
+    # Absolute: the daemons and `warmspec lsp` relays run elsewhere than here, and a relative
+    # workspace or socket path would name another place for them (a relative --out once sent
+    # every workspace read to docs/…/workspace/docs/…/workspace).
+    args.out = args.out.resolve()
     try:
         res = soak(settings, args.out)
     except SoakError as e:
