@@ -24,6 +24,7 @@ import msgspec
 
 
 from ..core import Delta, Engine, EngineError, Finished, GenerationStats, SamplingParams
+from ..core import heap
 from ..workspace import Workspace
 from .keepalive import Progress
 
@@ -34,6 +35,9 @@ PRIORITY_NORMAL = 10
 # A queued job waiting this long runs before jobs of higher priority that arrived after it. Ghost
 # text asks on every keystroke; without a bound, editors typing starve an agent's chat.
 STARVE_S = 2.0
+# The C heap is trimmed after a job at most this often: a few milliseconds each (soak: the queue
+# never emptied, so "when idle" never came).
+TRIM_EVERY_S = 1.0
 
 
 class Job(msgspec.Struct, kw_only=True):
@@ -114,6 +118,7 @@ class Scheduler:
         self.failed = 0
         self.keepalive = None  # keepalive.KeepAlive: idle unload, reload before the next job
         self.recent: deque[GenerationStats] = deque(maxlen=64)  # finished jobs, for the status page
+        self._trimmed = 0.0  # when the C heap was last trimmed
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -210,6 +215,9 @@ class Scheduler:
                 self.active = None
                 if self.keepalive is not None:
                     self.keepalive.done()
+            if time.perf_counter() - self._trimmed >= TRIM_EVERY_S:  # core/heap.py says why
+                heap.trim()
+                self._trimmed = time.perf_counter()
 
     def _run(self, ticket: Ticket) -> None:
         job = ticket.job
