@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tiny
-from warmspec import forge, heads
+from warmspec import fetch, forge, heads
 from warmspec.core import mtp
 from warmspec.core.engine import Engine, Finished
 from warmspec.core.types import SamplingParams
@@ -61,7 +61,7 @@ def test_forge_writes_a_head_that_loads_with_its_recipe(forged):
         by_depth = ev[name]["accepted_by_depth"]
         assert all(a >= b for a, b in zip(by_depth, by_depth[1:]))  # cumulative: never rises
     assert set(ev["draft_vocab_coverage"]) >= {"prose", "answers"}
-    assert recipe["sha256"] == mtp.file_sha256(root / "head.safetensors")
+    assert recipe["sha256"] == fetch.sha256_file(root / "head.safetensors")
     assert recipe["wall_s"]["total"] > 0 and recipe["device"]["device"]
     assert recipe["file_bytes"] == (root / "head.safetensors").stat().st_size
 

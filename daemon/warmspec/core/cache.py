@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -171,6 +171,17 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def longest_usable(entries: Iterable[Any], target: Sequence[int]) -> tuple[Any, int]:
+    """The entry whose ``usable(target)`` is largest (the first of equals), and that count; (None, 0)
+    when none serves a token. Serves the memory store and the disk tier alike."""
+    best, best_use = None, 0
+    for e in entries:
+        use = e.usable(target)
+        if use > best_use:
+            best, best_use = e, use
+    return best, best_use
+
+
 class CacheState:
     """A model cache, the tokens whose state it holds, and checkpoints of the layers that cannot
     be trimmed (recurrent state; sliding windows after they wrap) at chosen positions."""
@@ -273,12 +284,7 @@ class PrefixStore:
         return sum(e.nbytes for e in self.entries)
 
     def best(self, target: Sequence[int]) -> tuple[CacheState | None, int]:
-        best, best_use = None, 0
-        for e in self.entries:
-            use = e.usable(target)
-            if use > best_use:
-                best, best_use = e, use
-        return best, best_use
+        return longest_usable(self.entries, target)
 
     def take(self, entry: CacheState) -> CacheState:
         """A copy of ``entry`` to continue decoding on; the entry stays, most recently used.

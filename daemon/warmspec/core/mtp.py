@@ -94,6 +94,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .types import SamplingParams
 
 from .cache import trimmable_kind
+from ..fetch import sha256_file
 from ..model import LoadedModel
 from .sampling import host_row, probabilities, sample
 
@@ -444,7 +445,7 @@ def read_standalone(path: Path) -> tuple[dict[str, mx.array], Recipe]:
         raise MTPError(f"{meta_path}: heads conditioned on {meta['hidden']!r} are not supported")
     if meta.get("final_norm", "own") not in ("own", "target"):
         raise MTPError(f"{meta_path}: final_norm must be 'own' or 'target'")
-    if meta.get("sha256") is not None and file_sha256(path) != meta["sha256"]:
+    if meta.get("sha256") is not None and sha256_file(path) != meta["sha256"]:
         raise MTPError(f"{path}: its SHA-256 does not match the one in {meta_path.name}: the file "
                        "is damaged or was changed after it was written")
     weights = _read_mtp([path])
@@ -551,14 +552,6 @@ def load_mtp(path: Path | str, target: LoadedModel) -> MTPHead:
     return build(target, weights, recipe, source=str(path))
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def target_identity(target: LoadedModel) -> dict[str, Any]:
     """Which target a head was trained against: its weights file's SHA-256 (a GGUF, or every
     safetensors file of a model directory, in order; the default model's 93 MB GGUF hashes in
@@ -566,11 +559,11 @@ def target_identity(target: LoadedModel) -> dict[str, Any]:
     parts = target_parts(target.model)
     src = Path(target.source)
     if src.is_file():
-        sha = file_sha256(src)
+        sha = sha256_file(src)
     elif src.is_dir() and list(src.glob("*.safetensors")):
         digest = hashlib.sha256()
         for f in sorted(src.glob("*.safetensors")):
-            digest.update(file_sha256(f).encode())
+            digest.update(sha256_file(f).encode())
         sha = digest.hexdigest()
     else:
         digest = hashlib.sha256()
@@ -624,5 +617,5 @@ def save_mtp(head: MTPHead, path: Path | str, *, dtype: mx.Dtype | None = None, 
     if quantized:
         q = quantized[0]
         recipe["quantization"] = {"group_size": q.group_size, "bits": q.bits, "mode": q.mode}
-    recipe["sha256"] = file_sha256(path)
+    recipe["sha256"] = sha256_file(path)
     path.with_suffix(".json").write_text(json.dumps(recipe, indent=1) + "\n")

@@ -40,7 +40,7 @@ import msgspec
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from .cache import CacheState, _can_rewind, _lcp, layers
+from .cache import CacheState, _can_rewind, _lcp, layers, longest_usable
 from ..model import LoadedModel
 
 log = logging.getLogger("warmspec.prefix_disk")
@@ -331,12 +331,7 @@ class DiskTier:
     # -- decode thread --------------------------------------------------------------------------
 
     def best(self, target: Sequence[int]) -> tuple[DiskEntry | None, int]:
-        best, use = None, 0
-        for e in self.entries:
-            u = e.usable(target)
-            if u > use:
-                best, use = e, u
-        return best, use
+        return longest_usable(self.entries, target)
 
     def load(self, target: Sequence[int], better_than: int) -> CacheState | None:
         """The state on disk serving the longest prefix of ``target``, if it serves more than
