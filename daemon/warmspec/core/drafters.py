@@ -10,7 +10,8 @@ sampling exact and its acceptance high (OptiQ: truncating one side only, 32% ins
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -40,10 +41,18 @@ class MtpDrafter:
 
     wants_hidden = True
     source = "mtp"
+    # Deepest draft ever asked of the head (each depth is a head step run in sequence); within
+    # it the gate picks the depth from the head's measured acceptance and proposing time. The
+    # shipped head on held-back text: accepted by depth 54% / 26% / 10% / 7%, so the gate asks it
+    # for 2-3; a head that copies the target goes to the ceiling.
+    max_depth = 8
 
-    def __init__(self, head: MTPHead, params: SamplingParams):
+    def __init__(self, head: MTPHead, params: SamplingParams, gate=None,
+                 context: "Callable[[], int] | None" = None):
         self.head = head
         self.params = params
+        self.gate = gate  # decides how deep to draft, and whether to ask at all (None: always k)
+        self.context = context  # tokens in the target's cache now (the pass costs depend on it)
         self.rng = _seeded(params)
         self.cache = head.make_cache()
         self._hidden: list[mx.array] = []
@@ -56,12 +65,18 @@ class MtpDrafter:
         self._tokens.extend(tokens)
 
     def propose(self, k: int) -> Proposal | None:
+        k = min(k, self.max_depth)
+        if self.gate is not None:
+            k = self.gate.depth(self.source, k, self.context() if self.context else 0)
         if k <= 0 or not self._tokens:
             return None
+        t = time.perf_counter()
         hidden = mx.concatenate(self._hidden)[None]
         tokens = mx.array([self._tokens])
         self._hidden, self._tokens = [], []
         drafted, q, first = self.head.draft(hidden, tokens, self.cache, k, self.params, self.rng)
+        if self.gate is not None:
+            self.gate.observe_source(self.source, time.perf_counter() - t)
         return Proposal(tokens=drafted, confidence=first, source=self.source, q=q)
 
 
@@ -93,10 +108,12 @@ class CombinedDrafter:
 
     The n-gram drafter is asked first (a lookup costs microseconds); where it follows a long match
     -- a copied file, a loop -- its value is taken without running the head (a head proposal costs
-    a decoder layer and an output projection per depth). Otherwise both propose and the gate's
-    value (its acceptance estimate for that source and confidence, over the measured pass costs)
-    picks one. Both are told every emitted token: the head's cache needs every committed pair, and
-    the n-gram drafter its copy position.
+    a decoder layer and an output projection per depth). Otherwise the head is asked for as many
+    tokens as the gate says can pay (``Gate.depth``: its acceptance and its own proposing time,
+    measured per source), and of the two proposals the gate's value (acceptance estimate
+    for that source and confidence, over the measured pass costs) picks one. Both are told every
+    emitted token: the head's cache needs every committed pair, and the n-gram drafter its copy
+    position.
     """
 
     wants_hidden = True
@@ -113,16 +130,19 @@ class CombinedDrafter:
 
     def propose(self, k: int) -> Proposal | None:
         ctx = self.context()
+        gate = self.gate
         best, best_value = None, 0.0
+        t = time.perf_counter()
         n = self.ngram.propose(k)
+        gate.observe_source(n.source if n is not None else "ngram", time.perf_counter() - t)
         if n is not None:
-            kn, best_value = self.gate.value(len(n.tokens), n.confidence, ctx, source=n.source)
-            if kn and self.gate.acceptance(n.confidence, n.source) >= LONG_MATCH_ACCEPTANCE:
+            kn, best_value = gate.value(len(n.tokens), n.confidence, ctx, source=n.source)
+            if kn and gate.acceptance(n.confidence, n.source) >= LONG_MATCH_ACCEPTANCE:
                 return n
             best = n if kn else None
-        m = self.mtp.propose(k)
+        m = self.mtp.propose(k)  # asks the gate how deep, or whether at all
         if m is not None:
-            km, v = self.gate.value(len(m.tokens), m.confidence, ctx, source=m.source)
+            km, v = gate.value(len(m.tokens), m.confidence, ctx, source=m.source)
             if best is None or v > best_value:
                 best = m
         return best if best is not None else (n or m)

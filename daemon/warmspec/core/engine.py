@@ -488,15 +488,16 @@ class Engine:
     def _drafter(self, prompt: list[int], sources: Sequence[Source], prediction: Sequence[int],
                  params: SamplingParams) -> Drafter:
         """This request's guess source (see ``drafting``)."""
+        context = lambda: len(self.cache_tokens)  # noqa: E731
         if self.drafting == "mtp":
-            return MtpDrafter(self.mtp, params)
+            return MtpDrafter(self.mtp, params, self.gate, context)
         if self.drafting == "draft":
             return DraftModelDrafter(self.draft_model, prompt, params)
         ngram = NgramDrafter(prompt, [*sources, *self.recent.sources()], min_n=self.min_n,
                              prediction=prediction)
         if self.drafting == "ngram+mtp":
-            return CombinedDrafter(ngram, MtpDrafter(self.mtp, params), self.gate,
-                                   lambda: len(self.cache_tokens))
+            return CombinedDrafter(ngram, MtpDrafter(self.mtp, params, self.gate, context), self.gate,
+                                   context)
         return ngram
 
     @property

@@ -327,33 +327,49 @@ class MTPHead(nn.Module):
         logits, g = self(hidden, tokens, cache)
         row, g = logits[0, -1], g[:, -1:]
         greedy = params is None or params.greedy
+        if greedy:
+            drafted, first = self._draft_greedy(row, g, cache, k)
+            self.rewind(cache, keep)
+            return drafted, None, first
         drafted: list[int] = []
         qs: list[np.ndarray] = []
         first = 0.0
         for j in range(k):
-            if greedy:
-                best = mx.argmax(row)
-                if j == 0:  # the head's probability of its first token: the gate's confidence
-                    top = mx.softmax(row.astype(mx.float32))[best]
-                    mx.eval(best, top)
-                    first = top.item()
-                tok = self.to_target(int(best.item()))
-            else:
-                q = host_row(probabilities(row[None], params)[0])
-                i = sample(q, rng)
-                first = first or float(q[i])
-                if self._vocab_ids is not None:  # the subset's q, zero outside it
-                    full = np.zeros(self._parts.vocab_size, dtype=q.dtype)
-                    full[self._vocab_ids] = q
-                    q = full
-                tok = self.to_target(i)
-                qs.append(q)
+            q = host_row(probabilities(row[None], params)[0])
+            i = sample(q, rng)
+            first = first or float(q[i])
+            if self._vocab_ids is not None:  # the subset's q, zero outside it
+                full = np.zeros(self._parts.vocab_size, dtype=q.dtype)
+                full[self._vocab_ids] = q
+                q = full
+            tok = self.to_target(i)
+            qs.append(q)
             drafted.append(tok)
             if j + 1 < k:
                 logits, g = self(g, mx.array([[tok]]), cache)
                 row = logits[0, -1]
         self.rewind(cache, keep)
-        return drafted, None if greedy else qs, first
+        return drafted, qs, first
+
+
+    def _draft_greedy(self, row: mx.array, g: mx.array, cache: list[Any], k: int) -> tuple[list[int], float]:
+        """Greedy drafts 1..k as one graph, read back once: each depth feeds its argmax (mapped to
+        a target id on the device) to the next without a host round trip. Reading each depth's
+        token back cost a device sync per depth; on an H200 that made the head's proposals cost
+        more than the passes they saved (ngram+mtp 1.20x plain on the public prose, where n-gram
+        alone ran 1.89x)."""
+        ids = []
+        best = mx.argmax(row)
+        top = mx.softmax(row.astype(mx.float32))[best]  # the gate's confidence
+        for j in range(k):
+            tok = best if self._vocab is None else self._vocab[best]
+            ids.append(tok)
+            if j + 1 < k:
+                logits, g = self(g, tok.reshape(1, 1), cache)
+                best = mx.argmax(logits[0, -1])
+        out = mx.stack(ids)
+        mx.eval(out, top)
+        return [int(t) for t in out.tolist()], float(top.item())
 
 
 # -- loading ----------------------------------------------------------------------------------------
