@@ -219,14 +219,19 @@ def test_shipped_head_attaches_to_the_default_model(default_lm):
 
 
 @needs_head
-def test_engine_for_the_default_model_carries_the_shipped_head(default_lm):
+def test_the_shipped_head_is_one_flag_away(default_lm):
+    """Off by default (n-gram alone measured faster on prose), ``--mtp shipped`` attaches it."""
     import argparse
+    from pathlib import Path
 
     from warmspec.server.daemon import engine_for
 
     args = argparse.Namespace(model=None, mtp=None, draft_model=None, no_speculate=False, max_draft=None)
+    assert engine_for(default_lm, args).drafting == "ngram"
+    args.mtp = Path("shipped")
     engine = engine_for(default_lm, args)
     assert engine.mtp is not None and engine.mtp.draft_vocab is not None
+    assert engine.drafting == "ngram+mtp"
 
 
 @needs_head

@@ -31,7 +31,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft", type=int, default=None, help="most tokens drafted per step (default 64)")
     p.add_argument("--mtp", type=Path, default=None, metavar="PATH",
                    help="draft with the model's MTP head: a checkpoint directory holding mtp.* tensors, "
-                        "or a standalone head file (.safetensors with its .json)")
+                        "a standalone head file (.safetensors with its .json), or 'shipped' (the head "
+                        "shipped for the default model; n-gram and head together)")
     p.add_argument("--draft-model", default=None, metavar="M",
                    help="draft with a small model of the same vocabulary (MLX directory, HF id, GGUF)")
 
