@@ -204,7 +204,7 @@ class Gate:
         self.host_s = 0.0  # proposing + gating, per step (decayed mean)
         self.host_source: dict[str, float] = {}  # a source's own proposing time (decayed mean)
         self.source_rate: dict[str, float] = {}  # per-token acceptance of a source, all bins
-        self.unasked: dict[str, int] = {}  # proposals of a source not asked for since the last
+        self.unasked: dict[str, int] = {}  # steps a source was not asked since it last was (probes)
         self.skip = 0  # steps left to pass without proposing
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
 

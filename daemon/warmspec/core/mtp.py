@@ -351,7 +351,6 @@ class MTPHead(nn.Module):
         self.rewind(cache, keep)
         return drafted, qs, first
 
-
     def _draft_greedy(self, row: mx.array, g: mx.array, cache: list[Any], k: int) -> tuple[list[int], float]:
         """Greedy drafts 1..k as one graph, read back once: each depth feeds its argmax (mapped to
         a target id on the device) to the next without a host round trip. Reading each depth's
