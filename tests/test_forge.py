@@ -208,12 +208,12 @@ def test_shipped_head_attaches_to_the_default_model(default_lm):
     assert heads.DEFAULT_HEAD.stat().st_size <= 10_000_000
     assert recipe["target"]["sha256"] == mtp.target_identity(default_lm)["sha256"]
     ev = recipe["evaluation"]
-    # held-back text, every position: depth-1 agreement at least 50% (the answers alone: ~40%)
+    # held-back text, every position: depth-1 agreement at least 50% (corpus 51.5%, answers 56.2%)
     held = [ev["corpus"], ev["answers"]]
     agreed = sum(e["depth1_teacher_forced"] * e["positions"] for e in held)
     assert agreed / sum(e["positions"] for e in held) >= 0.5
-    assert ev["corpus"]["depth1_teacher_forced"] >= 0.5 and ev["answers"]["depth1_teacher_forced"] >= 0.4
-    assert ev["corpus"]["accepted_by_depth"][0] >= 0.5
+    assert ev["corpus"]["depth1_teacher_forced"] >= 0.5 and ev["answers"]["depth1_teacher_forced"] >= 0.5
+    assert ev["corpus"]["accepted_by_depth"][0] >= 0.5 and ev["answers"]["accepted_by_depth"][0] >= 0.5
     head = heads.default_head(default_lm)
     assert head is not None and head.draft_vocab.size == recipe["draft_vocab_size"]
 

@@ -108,7 +108,7 @@ def healthy() -> dict:
                               outcome="malformed", started_s=3.0)]
     daemons = [DaemonRun(role="load", pid=1, log="l", ready_s=1.0, exit_code=0, status=status()),
                DaemonRun(role="replay", pid=2, log="r", ready_s=1.0, exit_code=0)]
-    memory = [MemorySample(t_s=t, rss_bytes=(500 + t // 10) << 20) for t in range(0, 100, 5)]
+    memory = [MemorySample(t_s=t, rss_bytes=(500 + t // 10) << 20) for t in range(0, 200, 5)]
     replays = [soak.compare("k1", requests[:1], soak.Answer(text="hello", tokens=2))]
     return dict(requests=requests, daemons=daemons, memory=memory, replays=replays, warmup_s=20.0)
 
@@ -149,13 +149,20 @@ def test_each_criterion_can_fail():
     assert not verdicts(run)["greedy answers equal to alone"]  # nothing compared proves nothing
 
     run = healthy()
-    run["memory"] += [MemorySample(t_s=100.0, rss_bytes=600 << 20)]  # +18% after warm-up
+    run["memory"] += [MemorySample(t_s=200.0, rss_bytes=600 << 20)]  # +18% after warm-up
     assert not verdicts(run)["resident memory flat after warm-up"]
     run = healthy()
     run["memory"] = [MemorySample(t_s=1.0, rss_bytes=100 << 20)] + run["memory"][1:]  # growth in warm-up only
     assert verdicts(run)["resident memory flat after warm-up"]
     run["memory"] = run["memory"][:4]
     assert not verdicts(run)["resident memory flat after warm-up"]  # too few samples after warm-up
+    # requests in flight: samples 500 or 580 MiB (16% apart) in every window, peaks flat: passes;
+    # the same with the peaks climbing 2% a window (a leak): 500 -> 600 MiB over 10 windows fails
+    saw = [MemorySample(t_s=t, rss_bytes=(580 if t % 10 else 500) << 20) for t in range(0, 700, 5)]
+    assert verdicts(dict(run, memory=saw, warmup_s=100.0))["resident memory flat after warm-up"]
+    leak = [MemorySample(t_s=t, rss_bytes=int((500 + t / 7) * 2**20)) for t in range(0, 700, 5)]
+    assert not verdicts(dict(run, memory=leak, warmup_s=100.0))["resident memory flat after warm-up"]
+    assert soak.window_peaks(saw, 100.0) == [580 << 20] * 10  # 100-695 s: ten windows
 
     run = healthy()
     run["daemons"][1].log_errors = ["traceback: RuntimeError: Event loop is closed"]

@@ -568,7 +568,7 @@ def model_drafters(lm: LoadedModel, modes: Sequence[str], mtp_path: Path | None,
 
     out: dict = {}
     if any("mtp" in m for m in modes):
-        if mtp_path is None:
+        if mtp_path is None or str(mtp_path) == "shipped":  # as serve's ``--mtp shipped``
             from .heads import default_head
 
             head = default_head(lm) if lm.name == DEFAULT_MODEL_NAME else None
@@ -886,7 +886,7 @@ def add_parser(subparsers) -> None:
                         "default plain,ngram)")
     p.add_argument("--mtp", type=Path, default=None, metavar="PATH",
                    help="the MTP head for mode mtp (checkpoint directory or head file; default: the "
-                        "head shipped for the default model)")
+                        "head shipped for the default model, also named by 'shipped')")
     p.add_argument("--draft-model", default=None, metavar="M", help="the draft model for mode draft")
     p.add_argument("--repeat", type=int, default=1, help="runs per case and mode (medians)")
     p.add_argument("--limit", type=int, default=None, help="first N cases of each file")

@@ -79,15 +79,17 @@ class Config:
     Data and steps were what held-back depth-1 agreement needed (H200, float32 target; corpus /
     answers): 512 windows and 900 steps gave 31.5% / 36.6%; 1248 windows, 4000 steps 44.3% /
     41.4%; 2784 windows, 12000 steps 51.9% / 40.5% (6.3 min, 5.3 of them training). More text
-    helped more than more steps; the answers plateau near 40%: only 224 of them."""
+    helped more than more steps; the answers plateaued near 40% with 224 of them and a 4096-token
+    draft vocabulary that covered 82% of their tokens: 1536 answers and 8192 tokens (95%) gave
+    51.5% / 56.2% (8.4 min, 2.2 of them answering)."""
 
     prose: int = 2048       # windows of installed-environment prose
     code: int = 512         # windows of installed-environment source code
-    answers: int = 224      # prompts the target answers (one window each)
+    answers: int = 1536     # prompts the target answers (one window each)
     answer_tokens: int = 200
     window: int = 256       # tokens per window (the target's context for its hidden states)
     top_k: int = 8          # the target's top-k kept per position (the soft labels)
-    vocab: int = 4096       # draft vocabulary size
+    vocab: int = 8192       # draft vocabulary size
     steps: int = 12000
     batch: int = 16         # crops per step
     crop: int = 128         # positions per crop (the head's cache starts at the crop)
@@ -98,7 +100,7 @@ class Config:
     init: str = "last-layer"  # or "random"
     precision: str = "float16"
     eval_positions: int = 192  # positions per held-back set for acceptance by depth
-    gen_batch: int = 16
+    gen_batch: int = 64
     pass_batch: int = 8
 
 
@@ -258,6 +260,14 @@ TEMPLATES = (
     "Answer a beginner's question: how does {t} work?",
     "Write a dialogue between two people discussing {t}.",
     "Give a step-by-step guide for getting started with {t}.",
+    "Write a short persuasive essay about {t}.",
+    "Write a letter to a local newspaper about {t}.",
+    "Give practical advice to a beginner interested in {t}.",
+    "List six questions people often ask about {t}, and answer each briefly.",
+    "Explain why {t} matters, in three short paragraphs.",
+    "Write a diary entry from someone experiencing {t} for the first time.",
+    "Compare two different approaches to {t}.",
+    "Write a short speech for a school assembly about {t}.",
 )
 TOPICS = (
     "learning to play the guitar", "a rainy day in a big city", "recursion in programming",
@@ -278,6 +288,22 @@ TOPICS = (
     "earthquakes", "a detective solving a small mystery", "functional programming",
     "the life of an ant colony", "planning a birthday party", "rainbows", "an old clockmaker",
     "working from home", "the Great Wall of China", "debugging a program", "birdwatching",
+    "a bakery that only opens at midnight", "learning to swim as an adult", "glaciers",
+    "the history of coffee", "recycling electronics", "a village without electricity",
+    "writing a novel", "deep sea creatures", "moving to a new country", "the Silk Road",
+    "bicycle repair", "the water supply of a city", "a king who could not sleep", "jazz music",
+    "choosing a first computer", "tidying a cluttered room", "penguins", "the metric system",
+    "a spaceship crew stuck in orbit", "online privacy", "teaching children to read",
+    "the history of chocolate", "wind power", "a street musician", "rivers and floods",
+    "making friends in a new city", "the Olympic Games", "a talking tree", "mushrooms in the forest",
+    "budgeting for a holiday", "the printing of money", "lighthouses", "learning to draw",
+    "a small island community", "the life of a honeybee queen", "typing faster",
+    "the first day at a new school", "ancient Egypt", "trains and railways", "houseplants",
+    "a robot that wants to be a chef", "the speed of light", "volunteering", "an abandoned castle",
+    "a farmers market", "the history of writing", "autumn leaves", "a lost umbrella",
+    "solar panels on a roof", "cats and their habits", "a museum at night", "the human heart",
+    "spreadsheets", "a long-distance friendship", "wolves", "a shipwreck", "learning math",
+    "board games", "a snowstorm", "the invention of the wheel", "street food", "kindness",
 )
 
 
