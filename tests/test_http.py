@@ -686,6 +686,27 @@ def test_tool_call_splitter_streams_text_and_holds_calls():
     assert parse_tool_calls('<tool_call>{"name": "a"}</tool_call> trailing words') is None
 
 
+def test_what_agent_clis_send_is_accepted(tool_server):
+    """Claude Code sends system turns inside ``messages``; Codex CLI sends Responses tools of kinds
+    other than ``function`` (``namespace``). Both were refused with a 400, which ended the agents'
+    first turn (tests/test_agent_clis.py runs the CLIs themselves)."""
+    engine = tool_server.app.engine
+    engine.reply = "Fine."
+    tok = tool_server.app.lm.tokenizer
+    m = tool_server.anthropic().messages.create(model="m", max_tokens=20, messages=[
+        {"role": "user", "content": "hi"}, {"role": "system", "content": "Answer in one word."}])
+    assert m.content[0].text == "Fine." and "system\nAnswer in one word." in tok.decode(engine.prompts[-1])
+    tools = [{"type": "namespace", "name": "mcp", "description": "a group of tools", "tools": []},
+             {"type": "custom", "name": "apply_patch", "description": "freeform"},
+             {"type": "function", "name": "get_weather", "description": "Weather in a city",
+              "parameters": WEATHER["function"]["parameters"]}]
+    r = tool_server.openai().responses.create(model="m", input="Weather in Paris?", tools=tools)
+    prompt = tok.decode(engine.prompts[-1])
+    assert r.output_text == "Fine." and "Weather in a city" in prompt and "freeform" not in prompt
+    status, _, body = tool_server.post("/v1/responses", {"input": "hi", "tools": [{"type": "function"}]})
+    assert status == 400 and b"tools[0].name" in body
+
+
 def test_tool_calls_in_every_api(tool_server):
     engine = tool_server.app.engine
     engine.reply = CALL_REPLY

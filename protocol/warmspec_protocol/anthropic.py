@@ -36,7 +36,8 @@ class ContentBlockParam(Struct, kw_only=True):
 
 
 class MessageParam(Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code (2.1) sends system turns inside ``messages`` as well as in ``system``
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlockParam]
 
 

@@ -357,8 +357,12 @@ class InputItem(Struct, kw_only=True):
 
 
 class FunctionTool(Struct, kw_only=True):
-    type: Literal["function"]
-    name: str
+    """A Responses API tool. Only ``function`` tools reach the model; the other kinds (hosted
+    tools, ``custom`` freeform tools, Codex CLI's ``namespace`` groups) are accepted and not
+    offered to it, as a model served here can only call functions."""
+
+    type: str
+    name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

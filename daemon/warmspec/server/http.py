@@ -422,10 +422,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if req.previous_response_id is not None:
         raise ApiError(400, "previous_response_id is not supported: warmspec stores no responses; send "
                             "the whole conversation in input", param="previous_response_id")
-    as_openai = [oai.Tool(type="function", function=oai.FunctionDef(name=t.name, description=t.description,
-                                                                    parameters=t.parameters))
-                 for t in req.tools or []]
-    tools = _tools(ctx, as_openai, _openai_choice(req.tool_choice))
+    as_openai = []
+    for i, t in enumerate(req.tools or []):
+        if t.type != "function":
+            continue  # not a function the model can call (FunctionTool says which kinds)
+        if not t.name:
+            raise ApiError(400, "a function tool needs a name", param=f"tools[{i}].name")
+        as_openai.append(oai.Tool(type="function", function=oai.FunctionDef(
+            name=t.name, description=t.description, parameters=t.parameters)))
+    tools = _tools(ctx, as_openai or None, _openai_choice(req.tool_choice))
     prompt = await _prompt(ctx, _responses_messages(req), tools)
     job = _job(ctx, prompt, req, max_tokens=req.max_output_tokens, stop=req.stop, label="http responses")
     return await _serve(request, job, ResponsesDialect(ctx.app.lm.name, req), stream=req.stream,
