@@ -331,34 +331,38 @@ def test_host_time_turns_a_slow_drafter_off():
 
 def test_time_outside_the_pass_turns_marginal_drafting_off():
     """A verify step is synchronous: the consumer's work on each step (streaming, detokenizing)
-    adds to it, where a plain step overlaps that work with the pass queued ahead. The gate prices
-    the measured time outside the pass: a drafter right half the time is verified at each
-    proposal when the consumer is quick, and (but for the probes) not when each step costs the
-    consumer three passes' time."""
+    adds to it, where a pipelined plain step overlaps that work with the pass queued ahead (a
+    GPU). The gate prices the measured time outside the pass: with pipelined plain steps a
+    drafter right half the time is verified at each proposal when the consumer is quick, and
+    (but for the probes) not when each step costs the consumer three passes' time. Where plain
+    steps are synchronous as well (a CPU), both pay that time and drafting goes on."""
     import time
 
     lm = tiny.build("llama")
     prompt = list(range(3, 30))
     plain, _ = decode(lm, prompt, 30)
-    costs = CostTable({0: {1: 0.05, 2: 0.055, 8: 0.06}})  # a step 50 ms; one draft 10% more
+    # a pass 50 ms, one draft 10% more; a pipelined plain step as measured: 60 ms a token
+    points, plain_points = {0: {1: 0.05, 2: 0.055, 8: 0.06}}, {0: 0.06}
 
-    def consume(delay):
-        engine = Engine(lm, speculate=True, costs=CostTable(costs.points), observe_costs=False)
-        drafter = SlowDrafter(prompt, plain, delay=0.0)
+    def consume(delay, pipelined):
+        engine = Engine(lm, speculate=True, costs=CostTable(points, plain_points), observe_costs=False)
+        engine._pipelining_pays = lambda: pipelined
         stats = GenerationStats()
         out = []
-        for new in engine.generate_tokens(prompt, Run(SamplingParams(), 30, stats), drafter=drafter,
-                                          speculate=True):
+        for new in engine.generate_tokens(prompt, Run(SamplingParams(), 30, stats),
+                                          drafter=SlowDrafter(prompt, plain, delay=0.0), speculate=True):
             out.extend(new)
             time.sleep(delay)
-        return out, stats, engine
+        assert out == plain
+        return stats, engine.gate
 
-    out, quick, engine = consume(0.0)
-    assert out == plain and engine.gate.outside_s < 0.01
-    assert quick.drafted >= 12  # a proposal every step: verified each time
-    out, slow, engine = consume(0.15)
-    assert out == plain and engine.gate.outside_s >= 0.15
+    quick, gate = consume(0.0, True)
+    assert gate.outside_s < 0.01 and quick.drafted >= 12  # a proposal every step: verified each time
+    slow, gate = consume(0.15, True)
+    assert gate.outside_s >= 0.15
     assert slow.drafted <= 3 and slow.drafted < quick.drafted / 4  # the first, then probes
+    synchronous, gate = consume(0.15, False)
+    assert gate.outside_s >= 0.15 and synchronous.drafted >= 12
 
 
 def test_a_repeated_answer_is_drafted_from_the_engine_s_recent_answers():

@@ -458,6 +458,8 @@ class Engine:
         on the host.
         """
         pipelined = run.params.greedy and (drafter is None or self._pipelining_pays())
+        if drafter is not None:
+            self.gate.pipelined = pipelined
         ahead: _Ahead | None = None  # a plain pass in flight, queued before its input was read
         try:
             while True:

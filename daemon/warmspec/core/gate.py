@@ -204,6 +204,7 @@ class Gate:
         self.host_s = 0.0  # proposing + gating, per step (decayed mean)
         self.host_source: dict[str, float] = {}  # a source's own proposing time (decayed mean)
         self.outside_s = 0.0  # per verify step, the time spent outside the pass (decayed mean)
+        self.pipelined = False  # plain steps run ahead of the host (then their cost includes it)
         self.source_rate: dict[str, float] = {}  # per-token acceptance of a source, all bins
         self.unasked: dict[str, int] = {}  # steps a source was not asked since it last was (probes)
         self.skip = 0  # steps left to pass without proposing
@@ -227,14 +228,19 @@ class Gate:
         ``source`` (``context`` tokens in the cache), and its expected tokens per second; 0 drafts
         when a plain step is worth more (by ``MARGIN``)."""
         k_max = min(available, self.max_draft)
-        plain = 1.0 / self.costs.plain(context)
         if k_max <= 0:
-            return 0, plain
+            return 0, 1.0 / self._plain_s(context)
         return self._best(k_max, self.acceptance(confidence, source), context,
                           self.host_source.get(source, self.host_s))
 
+    def _plain_s(self, context: int) -> float:
+        """A plain step as the engine runs it: pipelined, the measured step (the time outside the
+        pass overlaps the pass queued ahead, and observed steps include it); synchronous, the pass
+        and then the time outside it."""
+        return self.costs.plain(context) + (0.0 if self.pipelined else self.outside_s)
+
     def _best(self, k_max: int, a: float, context: int, host: float) -> tuple[int, float]:
-        plain = 1.0 / self.costs.plain(context)
+        plain = 1.0 / self._plain_s(context)
         best_k, best = 0, plain * MARGIN
         expected, term = 1.0, 1.0
         for k in range(1, k_max + 1):
@@ -271,10 +277,12 @@ class Gate:
     def observe_outside(self, seconds: float) -> None:
         """Fold in the time between a verify step's end and the next step's start: the consumer's
         work on what it emitted (detokenizing, streaming, stop strings) and the loop's own. A
-        plain step overlaps it with the pass queued ahead and its observed cost includes it; a
-        verify step is synchronous and pays it on top of the pass. Left out, on an H200 (pass
-        ~4 ms, ~3.5 ms of it per step) a one-token draft looked cheaper than a plain step at
-        any acceptance, and the gate drafted at 11% acceptance: prose ran at 0.86x plain."""
+        pipelined plain step overlaps it with the pass queued ahead and its observed cost
+        includes it; a verify step is synchronous and pays it on top of the pass. Left out, on
+        an H200 (the measured plain step 3.6 ms in a tight loop, 7.6 ms in the bench) a one-token
+        draft looked cheaper than a plain step at any acceptance, and the gate drafted at 11%
+        acceptance: prose ran at 0.86x plain. Where plain steps are synchronous too (a CPU) both
+        pay it, and it favours neither."""
         self.outside_s = seconds if self.outside_s == 0.0 else 0.9 * self.outside_s + 0.1 * seconds
 
     def observe_source(self, source: str, seconds: float) -> None:
