@@ -406,28 +406,3 @@ def test_a_prediction_is_drafted_from_the_first_token():
     out = [t for new in engine.generate_tokens(prompt, run, prediction=wrong) for t in new]
     assert out == plain
     assert run.stats.sources["prediction"].accepted == 0 < run.stats.sources["prediction"].drafted
-
-
-def test_a_request_s_failed_drafts_calibrate_the_learned_rates():
-    """Acceptance learned on earlier requests (here: long matches copied in full) does not carry
-    a request whose text does not copy: one long draft that comes to nothing turns drafting off
-    for the rest of that request where a verify pass is dear (a GPU: 2.5x a pipelined plain
-    step), though the bin's learned rate alone would have kept drafting; the next request starts
-    from the history again, and a request whose drafts do as expected keeps drafting."""
-    from warmspec.core.gate import Gate
-
-    costs = CostTable({0: {1: 0.010, 2: 0.025, 17: 0.026}}, {0: 0.010})
-    gate = Gate(costs, max_draft=16)
-    gate.pipelined = True
-    for _ in range(20):
-        gate.observe(0.95, 16, 16, source="ngram")  # earlier requests: long matches copied
-    gate.begin()
-    assert gate.choose(16, 0.95, source="ngram") == 16
-    gate.observe(0.95, 16, 0, source="ngram")  # this request: the first long match fails at once
-    assert gate.acceptance(0.95, "ngram") > 0.85  # the learned rate alone would draft on
-    assert gate.value(16, 0.95, source="ngram")[0] == 0
-    gate.begin()
-    assert gate.choose(16, 0.95, source="ngram") == 16
-    gate.observe(0.95, 16, 16, source="ngram")
-    gate.observe(0.95, 16, 5, source="ngram")  # as expected on the whole: drafting goes on
-    assert gate.choose(16, 0.95, source="ngram") > 0

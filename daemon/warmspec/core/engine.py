@@ -460,7 +460,6 @@ class Engine:
         pipelined = run.params.greedy and (drafter is None or self._pipelining_pays())
         if drafter is not None:
             self.gate.pipelined = pipelined
-            self.gate.begin()
         ahead: _Ahead | None = None  # a plain pass in flight, queued before its input was read
         try:
             while True:

@@ -50,9 +50,6 @@ HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may co
 # plain on an H200 with 4-bit weights.
 MARGIN = 1.08
 MAX_SKIP = 16  # at most this many steps pass without a proposal
-# Tokens of evidence a request needs before its own record of a source outweighs the history (see
-# ``Gate.calibration``).
-CALIBRATION_PRIOR = 4.0
 
 
 class CostTable:
@@ -212,32 +209,6 @@ class Gate:
         self.unasked: dict[str, int] = {}  # steps a source was not asked since it last was (probes)
         self.skip = 0  # steps left to pass without proposing
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
-        # this request, per source: (tokens accepted, tokens the gate expected) -- see calibration
-        self.record: dict[str, tuple[float, float]] = {}
-
-    def begin(self) -> None:
-        """A new request: what its text makes of each source is not known yet."""
-        self.record.clear()
-
-    def calibration(self, source: str) -> float:
-        """How far this request's drafts from ``source`` fell short of what the gate expected:
-        accepted over expected tokens, each with ``CALIBRATION_PRIOR`` tokens added (so one
-        draft does not decide), at most 1; the learned rates are multiplied by it.
-
-        The rates are learned over every request the engine served, and a source's record on
-        one text says little about the next. On an H200 (float32) one list prompt of our prose
-        set drafted 216 tokens and had 6 accepted, at 0.69x plain: a failed draft costs a
-        synchronous pass of about 2.5x a plain step there, and a bin's rate drops only 10% per
-        failure, so rates learned where the model copied kept long drafts coming. Calibrated,
-        one draft that comes to nothing where 6 tokens were expected scales the rates by 0.4
-        for the rest of the request; a request whose drafts do as expected (copying) keeps
-        them."""
-        accepted, expected = self.record.get(source, (0.0, 0.0))
-        return min(1.0, (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR))
-
-    def estimate(self, confidence: float, source: str = "") -> float:
-        """The per-token acceptance the gate drafts by: the learned rate, calibrated to this request."""
-        return self.acceptance(confidence, source) * self.calibration(source)
 
     @staticmethod
     def bin(confidence: float, source: str = "") -> tuple[str, int]:
@@ -259,7 +230,7 @@ class Gate:
         k_max = min(available, self.max_draft)
         if k_max <= 0:
             return 0, 1.0 / self._plain_s(context)
-        return self._best(k_max, self.estimate(confidence, source), context,
+        return self._best(k_max, self.acceptance(confidence, source), context,
                           self.host_source.get(source, self.host_s))
 
     def _plain_s(self, context: int) -> float:
@@ -292,7 +263,7 @@ class Gate:
             return 0
         if not self.enabled:
             return k_max
-        a = self.source_rate.get(source, PRIOR_ACCEPTANCE) * self.calibration(source)
+        a = self.source_rate.get(source, PRIOR_ACCEPTANCE)
         best_k, _ = self._best(k_max, a, context, self.host_source.get(source, 0.0))
         if best_k:
             self.unasked[source] = 0
@@ -335,14 +306,9 @@ class Gate:
         return best_k
 
     def observe(self, confidence: float, drafted: int, accepted: int, *, source: str = "") -> None:
-        """Update the bin's rate: ``accepted`` successes then (if short) one failure; and this
-        request's record of the source against what the gate expected of the draft."""
+        """Update the bin's rate: ``accepted`` successes then (if short) one failure."""
         if drafted <= 0:
             return
-        a = self.estimate(confidence, source)
-        expected = sum(a ** i for i in range(1, drafted + 1))
-        got, wanted = self.record.get(source, (0.0, 0.0))
-        self.record[source] = (got + accepted, wanted + expected)
         b = self.bin(confidence, source)
         r = self.acceptance(confidence, source)
         s = self.source_rate.get(source, PRIOR_ACCEPTANCE)
