@@ -234,6 +234,25 @@ def test_the_shipped_head_is_one_flag_away(default_lm):
     assert engine.drafting == "ngram+mtp"
 
 
+def test_shipped_is_refused_for_a_model_without_a_shipped_head():
+    """``--mtp shipped`` means one thing to ``serve`` and ``bench`` (one resolver): on another
+    model both refuse it with the same reason, instead of starting without the head."""
+    import argparse
+
+    from warmspec.bench import model_drafters
+    from warmspec.model import ModelError
+    from warmspec.server.daemon import engine_for
+
+    lm = tiny.build("llama")
+    with pytest.raises(mtp.MTPError, match="no usable head is shipped for this model"):
+        heads.resolve_head("shipped", lm)
+    args = argparse.Namespace(model=None, mtp="shipped", draft_model=None, no_speculate=False, max_draft=None)
+    with pytest.raises(ModelError, match="--mtp shipped: no usable head is shipped"):
+        engine_for(lm, args)
+    with pytest.raises(ValueError, match="mode mtp: --mtp shipped: no usable head is shipped"):
+        model_drafters(lm, ["ngram+mtp"], None, None)
+
+
 @needs_head
 def test_shipped_head_for_other_weights_is_refused(default_lm, tmp_path, caplog):
     for suffix in (".safetensors", ".json"):

@@ -563,21 +563,15 @@ def model_drafters(lm: LoadedModel, modes: Sequence[str], mtp_path: Path | None,
     """The MTP head and draft model the modes ``mtp`` and ``draft`` need, loaded once and shared:
     the head attaches to the loaded target, never a second copy of its weights."""
     from .core.draft_model import DraftModel
-    from .core.mtp import load_mtp
-    from .fetch import DEFAULT_MODEL_NAME
+    from .core.mtp import MTPError
+    from .heads import resolve_head
 
     out: dict = {}
     if any("mtp" in m for m in modes):
-        if mtp_path is None or str(mtp_path) == "shipped":  # as serve's ``--mtp shipped``
-            from .heads import default_head
-
-            head = default_head(lm) if lm.name == DEFAULT_MODEL_NAME else None
-            if head is None:
-                raise ValueError("mode mtp needs --mtp PATH (a checkpoint with mtp.* tensors or a head "
-                                 "file); only the default model has a head shipped for it")
-            out["mtp"] = head
-        else:
-            out["mtp"] = load_mtp(mtp_path, lm)
+        try:
+            out["mtp"] = resolve_head(mtp_path or "shipped", lm)
+        except MTPError as e:
+            raise ValueError(f"mode mtp: --mtp {mtp_path or 'shipped'}: {e}") from None
     if "draft" in modes:
         if draft_model is None:
             raise ValueError("mode draft needs --draft-model M")

@@ -38,3 +38,19 @@ def default_head(lm: "LoadedModel", path: Path = DEFAULT_HEAD) -> "MTPHead | Non
     except MTPError as e:
         log.warning("not using the shipped MTP head: %s; drafting with n-gram lookup only", e)
         return None
+
+
+def resolve_head(spec: "str | Path", lm: "LoadedModel") -> "MTPHead":
+    """The head a command line names: ``shipped`` (the one shipped for the default model, checked
+    against this very file) or a path (a checkpoint directory with ``mtp.*`` tensors, or a
+    standalone head file). Raises ``MTPError`` saying what is wrong; ``serve`` and ``bench``
+    both resolve ``--mtp`` here."""
+    from ..core.mtp import MTPError, load_mtp
+
+    if str(spec) == "shipped":
+        head = default_head(lm)
+        if head is None:
+            raise MTPError("no usable head is shipped for this model (only the default model has one; "
+                           "the log says why)")
+        return head
+    return load_mtp(spec, lm)

@@ -189,19 +189,15 @@ def engine_for(lm, args: argparse.Namespace, **kw):
     passes and its own steps. ``--mtp shipped`` turns it on, to measure it or a better head."""
     from ..core import MAX_DRAFT, Engine, default_cost_cache
     from ..core.draft_model import DraftModel
-    from ..core.mtp import MTPError, load_mtp
-    from ..heads import default_head
+    from ..core.mtp import MTPError
+    from ..heads import resolve_head
     from ..model import ModelError
 
     max_draft = args.max_draft or MAX_DRAFT
     mtp = draft = None
     try:
-        if str(getattr(args, "mtp", None)) == "shipped":
-            mtp = default_head(lm)
-            if mtp is None:
-                raise ModelError("--mtp shipped: no usable head is shipped for this model (the log says why)")
-        elif getattr(args, "mtp", None):
-            mtp = load_mtp(args.mtp, lm)
+        if getattr(args, "mtp", None):
+            mtp = resolve_head(args.mtp, lm)
         if getattr(args, "draft_model", None):
             draft = DraftModel.load(args.draft_model, lm)
     except MTPError as e:
