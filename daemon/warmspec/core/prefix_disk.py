@@ -233,7 +233,7 @@ def read_state(path: Path, identity: str) -> CacheState:
     those buffers: no copy of the file in a Python ``bytes`` and no second copy into MLX. The
     copies (a 12-40 MB buffer and its arrays, made on the decode thread and freed at once) were
     what the disk tier added to the C heap under ``warmspec soak``: the heap's size held at
-    ~750 MiB from 2 minutes on with the tier off, and grew 660 -> 786 MiB over the next 3 with it
+    ~750 MiB from 2 minutes on with the tier off, and grew 727 -> 783 MiB over the next 3 with it
     on, while MLX's own memory was the same in both (docs/bench/soak-cpu/memory.md)."""
     table, meta, start = read_header(path)
     if meta.get("identity") != identity:
