@@ -9,7 +9,7 @@ import pytest
 
 from warmspec.core.engine import Engine, Run
 from warmspec.core.gate import CostTable
-from warmspec.core.prefix_disk import SUFFIX, DiskTier, model_identity
+from warmspec.core.prefix_disk import SUFFIX, DiskTier, model_identity, read_state
 from warmspec.core import GenerationStats, SamplingParams
 
 import tiny
@@ -91,6 +91,34 @@ def _damage(path, how):
         path.write_bytes(data[: len(data) - 100])
     elif how == "corrupt":  # one bit of the payload
         path.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+
+
+def test_loading_a_state_makes_no_copy_of_the_file(tmp_path):
+    """``read_state`` reads the arrays straight into MLX: Python never holds the payload (it once
+    held all of it in a ``bytes`` and copied that into MLX, which grew the daemon's C heap under
+    the soak). tracemalloc sees every Python allocation, numpy's and ``bytes`` included. Plain
+    attention KV, as the default model's: with checkpoints every 16 tokens the header's own
+    objects (thousands of small arrays) would weigh as much as this small payload."""
+    import tracemalloc
+
+    lm = tiny.build("llama")
+    engine, tier = with_disk(lm, tmp_path)
+    gen(engine, np.random.default_rng(3).integers(0, tiny.VOCAB, 1500).tolist(), n=4)
+    restart(engine, tier)
+    (path,) = tmp_path.rglob("*" + SUFFIX)
+    payload = path.stat().st_size
+    assert payload > 256 << 10
+    identity = model_identity(lm)
+    read_state(path, identity)  # imports and first-use caches, outside the measurement
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            state = read_state(path, identity)
+            assert len(state.tokens) >= 1500
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < payload / 3, f"{peak} bytes of Python memory to read a {payload}-byte file"
 
 
 @pytest.mark.parametrize("how", ["truncated", "corrupt", "foreign"])

@@ -582,6 +582,21 @@ def test_documents_are_owned_per_connection(tiny_daemon):
         assert is_open(first, uri) and not is_open(second, uri)
 
 
+def test_notifications_leave_no_bookkeeping_behind(tiny_daemon):
+    """pygls 2.1 files every notification's handler future under a fresh id and never removes it
+    (only a request's reply does): an editor's didChange per keystroke grew its connection by ~1 KB
+    each, for as long as the editor stayed connected (the soak's typing editors)."""
+    d = tiny_daemon
+    uri = (d.root / "typed.py").as_uri()
+    with d.client() as c:
+        open_doc(c, uri, "x = 0\n")
+        for version in range(2, 202):
+            change_doc(c, uri, f"x = {version}\n", version)
+        synced(d, c)
+        (conn,) = d.service.connections
+        assert len(conn.protocol._request_futures) <= 1  # at most the didRead in flight
+
+
 def test_documents_are_released_when_their_connection_ends(tiny_daemon):
     """An editor that goes away without didClose: its documents are closed, and the watcher
     follows the file on disk again (it leaves open buffers alone)."""

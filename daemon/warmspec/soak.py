@@ -178,7 +178,7 @@ def start_daemon(role: str, out: Path, settings: SoakSettings, workspace: Path) 
            "--workspace", str(workspace), "--prefix-budget", str(settings.prefix_budget_bytes),
            # a disk tier of its own: states other runs left in the user's cache are not this run's
            "--prefix-disk-dir", str(rt / "prefix"),
-           *(["--model", settings.model] if settings.model else [])]
+           *(["--model", settings.model] if settings.model else []), *settings.daemon_args]
     env = dict(os.environ, WARMSPEC_RUNTIME_DIR=str(rt))
     env.pop("WARMSPEC_API_KEY", None)
     t = time.monotonic()
@@ -1673,7 +1673,8 @@ def report(res: SoakResults) -> str:
          f"{s.inline_prefix_chars}/{s.inline_suffix_chars} characters around the cursor, {s.inline_max_tokens} "
          f"tokens; tool results {s.tool_chars} characters, long prompts {s.long_prompt_chars}; prefix budget "
          f"{_mib(s.prefix_budget_bytes)} MiB; {s.workspace_files} workspace files; "
-         f"{res.keystrokes} keystrokes (didChange)"),
+         f"{res.keystrokes} keystrokes (didChange)"
+         + (f"; daemon arguments `{' '.join(s.daemon_args)}`" if s.daemon_args else "")),
         f"- replays: {res.replay_daemon}", "",
         "## Criteria", "",
     ]
@@ -1888,6 +1889,9 @@ def add_parser(subparsers) -> None:
                    help="after the load, how long requests in flight may take to finish")
     p.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
                    help="a request without its answer after S seconds has failed")
+    p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG", dest="daemon_args",
+                   help="one more `warmspec serve` argument for both daemons, repeatable; a value that "
+                        "starts with a dash needs the = form (--daemon-arg=--prefix-disk=0: no disk tier)")
     p.set_defaults(func=run)
 
 
@@ -1902,7 +1906,7 @@ def run(args: argparse.Namespace) -> int:
         inline_max_tokens=args.inline_max_tokens, tool_chars=args.tool_chars,
         long_prompt_chars=args.long_prompt_chars, prefix_budget_bytes=args.prefix_budget,
         workspace_files=args.workspace_files, sample_s=args.sample_s, warmup_fraction=0.2,
-        drain_s=args.drain_s, request_timeout_s=args.request_timeout)
+        drain_s=args.drain_s, request_timeout_s=args.request_timeout, daemon_args=args.daemon_args)
     # Absolute: the daemons and `warmspec lsp` relays run elsewhere than here, and a relative
     # workspace or socket path would name another place for them (a relative --out once sent
     # every workspace read to docs/…/workspace/docs/…/workspace).

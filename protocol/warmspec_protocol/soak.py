@@ -50,6 +50,7 @@ class SoakSettings(Struct, kw_only=True):
     warmup_fraction: float  # resident memory is judged after this share of the run
     drain_s: float  # after the load, how long requests in flight may take to finish
     request_timeout_s: float  # a request without its answer after this long has failed
+    daemon_args: list[str] = []  # more ``warmspec serve`` options, for both daemons (--daemon-arg)
 
 
 class RequestRecord(Struct, kw_only=True, omit_defaults=True):

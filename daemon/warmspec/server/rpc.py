@@ -126,6 +126,19 @@ class WarmspecProtocol(LanguageServerProtocol):
             return
         super()._send_handler_result(future, msg_id=msg_id)
 
+    def _execute_handler(self, msg_id: Any, handler: Callable, callback: Callable, args: Any = None,
+                         kwargs: Any = None) -> None:
+        """pygls 2.1 files a notification's future under a fresh id and never takes it out again
+        (a request's reply does): a typing editor's connection grew ~1 KB a keystroke. A
+        notification's future is dropped once it is done."""
+        if callback == self._check_handler_result:
+            callback = partial(self._notification_done, msg_id)
+        super()._execute_handler(msg_id=msg_id, handler=handler, callback=callback, args=args, kwargs=kwargs)
+
+    def _notification_done(self, msg_id: Any, future: Future) -> None:
+        self._request_futures.pop(msg_id, None)
+        self._check_handler_result(future)
+
     @lsp_method(lsp.INITIALIZE)
     def lsp_initialize(self, params: lsp.InitializeParams) -> Any:
         result = yield from super().lsp_initialize(params)
