@@ -335,3 +335,25 @@ def test_tool_calls_index_the_files_they_read(tree):
     (index, priority), = app.workspace.sources(conv)
     assert bytes(index.tokens).decode() == (tree / "src" / "util.py").read_text()  # from disk
     assert priority == max(p for _, p in app.workspace.sources(conv))
+
+
+@pytest.mark.parametrize("shape", ["unique", "repeated", "zipf"])
+def test_index_size_estimate_is_what_the_index_holds(shape):
+    """The workspace budget is enforced with ``NgramIndex.nbytes``: it must be near what the index
+    really allocates (tracemalloc), not a seventh of it as it was with a deque per key."""
+    import tracemalloc
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    toks = {"unique": lambda: rng.integers(0, 49152, 20000),
+            "repeated": lambda: np.tile(rng.integers(0, 49152, 4000), 5),
+            "zipf": lambda: rng.zipf(1.3, 20000).clip(0, 49151)}[shape]()
+    toks = [int(str(t)) for t in toks.tolist()]  # fresh ints, as a tokenizer returns them
+    tracemalloc.start()
+    try:
+        index = NgramIndex(toks)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 0.8 * held <= index.nbytes <= 1.6 * held, (index.nbytes, held)
