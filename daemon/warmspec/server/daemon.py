@@ -215,6 +215,10 @@ def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None
     from .app import App
     from .keepalive import DEFAULT_KEEP_ALIVE_S, KeepAlive
 
+    from ..memory import tune_malloc
+
+    if tune_malloc():
+        log.info("malloc: large blocks mapped on their own (1 MiB threshold), 2 arenas")
     log.info("loading %s", args.model or "the default model (SmolLM2-135M-Instruct)")
     t = time.perf_counter()
     lm = load(args.model)
