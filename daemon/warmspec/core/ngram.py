@@ -23,6 +23,13 @@ MAX_AGREEMENT = 256  # longer agreement says nothing more about which candidate 
 OCCURRENCES_PER_KEY = 8
 
 
+def _record(where: list[int], end: int) -> None:
+    """Add an occurrence to a key's list, forgetting the oldest beyond ``OCCURRENCES_PER_KEY``."""
+    where.append(end)
+    if len(where) > OCCURRENCES_PER_KEY:
+        del where[0]
+
+
 class NgramIndex:
     """An append-only token sequence with an index of where each n-gram ended. ``extend`` changes
     it in place: only for an index one thread owns (a request's own). A published index -- a
@@ -51,10 +58,8 @@ class NgramIndex:
                 where = self.ends.get(key)
                 if where is None:
                     self.ends[key] = [len(toks) - 1]
-                    continue
-                where.append(len(toks) - 1)
-                if len(where) > OCCURRENCES_PER_KEY:
-                    del where[0]
+                else:
+                    _record(where, len(toks) - 1)
 
     def derive(self, tokens: Sequence[int]) -> "NgramIndex":
         """A new index of ``tokens`` that shares with this one everything before the first token
@@ -90,9 +95,7 @@ class NgramIndex:
             if key not in owned:
                 where = ends[key] = list(where or ())
                 owned.add(key)
-            where.append(end)
-            if len(where) > OCCURRENCES_PER_KEY:
-                del where[0]
+            _record(where, end)
         return out
 
     @property

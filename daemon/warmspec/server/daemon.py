@@ -212,10 +212,9 @@ def load_app(args: argparse.Namespace, *, roots: list[Path], api_key: str | None
     from .. import roofline
     from ..model import load
     from ..core.prefix_disk import DiskTier
+    from ..memory import tune_malloc
     from .app import App
     from .keepalive import DEFAULT_KEEP_ALIVE_S, KeepAlive
-
-    from ..memory import tune_malloc
 
     if tune_malloc():
         log.info("malloc: large blocks mapped on their own (1 MiB threshold), 2 arenas")
