@@ -285,6 +285,31 @@ def test_plain_decoding_is_pipelined_on_every_cache_kind():
         assert decode(lm, longer, 12, engine=engine)[0] == reference_greedy(lm.model, longer, 12, set())
 
 
+def test_the_first_token_is_read_before_a_pass_is_queued_behind_it():
+    """An answer's first token comes from one pass: queued behind it, a second pass made a CPU
+    compute both before the first token could be read (ghost text's first character waited
+    two passes). Pipelining starts from the second token: plain decoding and speculative
+    decoding with a pipelining gate both yield the first token with exactly one decode pass
+    made, and the tokens are plain's."""
+    from test_engine import CountingModel, reference_greedy
+
+    lm = tiny.build("llama")
+    prompt = list(range(3, 30))
+    ref = reference_greedy(lm.model, prompt, 12, lm.tokenizer.eos_ids)
+    for engine in (Engine(lm, speculate=False),
+                   Engine(lm, speculate=True, costs=CostTable(PIPELINED.points, PIPELINED.plain_points))):
+        counting = CountingModel(engine.model)
+        engine.model = counting
+        run = Run(SamplingParams(temperature=0.0), 12, GenerationStats())
+        out = []
+        for new in engine.generate_tokens(prompt, run):
+            if not out:
+                assert counting.calls == 1 + 1, counting.calls  # one prefill chunk, one decode pass
+            out.extend(new)
+        assert out == ref
+        engine.model = counting._model
+
+
 class SlowDrafter:
     """A drafter that takes ``delay`` seconds per proposal and is right half the time."""
 
