@@ -474,6 +474,7 @@ def test_replay_accepts_whole_right_words_and_types_the_rest():
     assert [k[1] for k in keys] == ["a", " ", "=", " ", "1", "\n    ", "b"]  # the editor indents
     assert keys[0][2] == replay.PACE["line"] and keys[1][2] == replay.PACE["word"]
     assert keys[2][2] == replay.PACE["blank"]
+    assert keys[6][2] == replay.PACE["line"]  # the first key after a line break and its indentation
     assert replay.resync(keys, 7) == 5 and keys[5] == (7, "   ", replay.PACE["word"])  # cut after "\n "
 
 

@@ -111,7 +111,9 @@ def keystrokes(text: str, start: int, end: int) -> list[tuple[int, str, float]]:
     while i < end:
         ch = text[i]
         prev = text[i - 1] if i else "\n"
-        gap = PACE["line"] if prev == "\n" else PACE["word"] if (prev.isalnum() or prev == "_") else PACE["blank"]
+        # the first key of a line: only the indentation the editor inserted stands before it
+        line = not text[text.rfind("\n", 0, i) + 1 : i].strip(" \t")
+        gap = PACE["line"] if line else PACE["word"] if (prev.isalnum() or prev == "_") else PACE["blank"]
         if ch == "\n":  # the editor indents the next line
             j = i + 1
             while j < end and text[j] in " \t":
