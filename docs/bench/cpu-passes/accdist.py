@@ -1,4 +1,6 @@
-"""Per confidence bin: how drafts fare -- first-token acceptance, and acceptance of the rest given the first."""
+"""Usage: MAXD=64 python accdist.py edits-public.jsonl costs-cpu.json (MAXD: the draft ceiling)
+
+Per confidence bin: how drafts fare -- first-token acceptance, and acceptance of the rest given the first."""
 import sys, collections, tempfile
 from warmspec import blas
 blas.reexec_with_openblas(sys.argv)

@@ -1,4 +1,6 @@
-"""For each no-draft pass in the replay, how long a continuation was copyable from the context."""
+"""Usage: python missed.py edits-public.jsonl costs-cpu.json [N cases]
+
+For each no-draft pass in the replay, how long a continuation was copyable from the context."""
 import sys, collections, tempfile
 from warmspec import blas
 blas.reexec_with_openblas(sys.argv)

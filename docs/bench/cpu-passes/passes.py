@@ -1,15 +1,16 @@
-"""Classify the replay's decode passes on edits-public: no draft, full accept, cut by divergence."""
+"""Usage: PYTHONPATH=daemon:protocol python passes.py edits-public.jsonl costs-cpu.json
+
+Classify the replay's decode passes on edits-public: no draft, full accept, cut by divergence."""
 import sys, json, collections
 from warmspec import blas
 blas.reexec_with_openblas(sys.argv)
 from pathlib import Path
 from warmspec import bench
 from warmspec.model import load
-from warmspec.core.engine import default_cost_cache
 from warmspec.core.gate import CostTable
 
 lm = load(None)
-costs = bench.read_costs(default_cost_cache(lm, 64)) if len(sys.argv) < 3 else bench.read_costs(Path(sys.argv[2]))
+costs = bench.read_costs(Path(sys.argv[2]))
 cases = bench.read_cases([Path(sys.argv[1])])
 eng = bench.replay_engine(lm, CostTable(costs.points), 64)
 tot = collections.Counter(); toks = collections.Counter(); hist = collections.Counter()
