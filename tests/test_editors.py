@@ -493,3 +493,68 @@ def test_a_short_replay_types_the_file_through_the_protocol():
     assert all(r.final_ms is not None and r.finish in ("stop", "length", "deadline", "cache") for r in answered)
     md = replay.report([side], "sampling.py", (line, line), lm.name)
     assert "characters accepted per second of model time" in md
+
+
+# -- ghost text started at the keystroke ------------------------------------------------------------
+
+
+def test_typed_cursor_follows_typing_only():
+    from warmspec.server.rpc import TYPED_MAX, typed_cursor
+
+    assert typed_cursor("abc", "abcd") == 4
+    assert typed_cursor("ab\ncd", "ab\nXcd") == 4  # in the middle: the cursor after the insertion
+    assert typed_cursor("aaa", "aaaa") == 4  # ambiguous repeats: the end of the run
+    assert typed_cursor("abcd", "abc") is None  # a deletion
+    assert typed_cursor("abcd", "abXd") is None  # a replacement
+    assert typed_cursor("ab", "aXbY") is None  # two places
+    assert typed_cursor("", "x" * (TYPED_MAX + 1)) is None  # a paste
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_typing_keystroke_starts_the_suggestion_before_the_request(d):
+    """With ``prefetch``, the didChange that types a character starts the suggestion for the
+    cursor after it; the request that follows gets it (here, once the job has ended: from the
+    cache) and it is the suggestion a request alone gets. Without ``prefetch`` an edit starts
+    nothing."""
+    uri = (d.root / "prefetch.py").as_uri()
+    alone_uri = (d.root / "prefetch-alone.py").as_uri()
+    text = SOURCE.replace("area", "surface")
+    typed = text + "s"
+    counts = d.app.inline.counts
+    with raw_client(d, maxTokens=8, stream=True, prefetch=True) as c:
+        raw_open(c, uri, text)
+        msg_id, _ = raw_inline(c, uri, text)  # the client asks for ghost text: prefetching starts
+        read_until_reply(c, msg_id)
+        wait_for(lambda: d.app.scheduler.active is None, "the engine to be idle")
+        generated = counts.tokens_generated
+        c.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": 2},
+                                            "contentChanges": [{"text": typed}]})
+        wait_for(lambda: counts.tokens_generated > generated and d.app.scheduler.active is None,
+                 "the prefetched suggestion")
+        msg_id, _ = raw_inline(c, uri, typed)
+        _, reply = read_until_reply(c, msg_id)
+    result = msgspec.convert(reply.result, wire.InlineCompletionResult)
+    assert result.warmspec.finish == "cache"
+    with raw_client(d, maxTokens=8, stream=True) as alone:
+        raw_open(alone, alone_uri, text)
+        msg_id, _ = raw_inline(alone, alone_uri, text)
+        read_until_reply(alone, msg_id)
+        wait_for(lambda: d.app.scheduler.active is None, "the engine to be idle")
+        generated = counts.tokens_generated
+        alone.notify("textDocument/didChange", {"textDocument": {"uri": alone_uri, "version": 2},
+                                                "contentChanges": [{"text": typed}]})
+        alone.call("warmspec/status", None, dict)  # the change has been handled
+        assert counts.tokens_generated == generated and d.app.scheduler.active is None
+        msg_id, _ = raw_inline(alone, alone_uri, typed)
+        _, again = read_until_reply(alone, msg_id)
+    again = msgspec.convert(again.result, wire.InlineCompletionResult)
+    assert again.warmspec.finish in ("stop", "length")
+    assert [i.insert_text for i in again.items] == [i.insert_text for i in result.items]

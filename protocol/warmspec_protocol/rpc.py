@@ -106,6 +106,10 @@ class InlineCompletionSettings(Struct, kw_only=True, forbid_unknown_fields=True,
     debounce_ms: Annotated[int, Meta(ge=0, le=5_000)] = 150
     # Suggestion length and advised debounce follow the feedback (per language); off: fixed.
     adapt: bool = True
+    # Start the suggestion at a typing keystroke (didChange), while the client debounces: a request
+    # for the same place then attaches to the job under way. It costs a job per keystroke (each
+    # cancelled by the next), so a client opts in.
+    prefetch: bool = False
 
 
 class InitializationOptions(Struct, kw_only=True, forbid_unknown_fields=True, rename="camel",
