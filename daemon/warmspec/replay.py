@@ -72,6 +72,7 @@ class Side(msgspec.Struct, kw_only=True):
     adapt: bool
     budget_ms: int | None
     patient: bool = False
+    prefetch: bool = False  # inlineCompletion.prefetch: suggestions start at the keystroke
     typed_chars: int = 0  # typed by the user
     accepted_chars: int = 0  # inserted from suggestions
     shown: int = 0
@@ -188,7 +189,8 @@ def client_debounce_ms(adapt: bool, advised: int | None, gaps: list[float]) -> f
 
 async def type_session(port: int, text: str, start: int, end: int, uri: str, *, adapt: bool,
                        budget_ms: int | None, engine_seconds: Callable[[], float],
-                       inline_counts: Callable[[], tuple[int, int]], patient: bool = False) -> Side:
+                       inline_counts: Callable[[], tuple[int, int]], patient: bool = False,
+                       prefetch: bool = False) -> Side:
     """The session; ``patient``: the user waits for every keystroke's suggestion before the next
     key (no debounce, nothing cancelled) -- each request's latency alone, as a latency probe."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -199,7 +201,8 @@ async def type_session(port: int, text: str, start: int, end: int, uri: str, *, 
             first_seen.setdefault(params["id"], time.perf_counter())
 
     conn = Conn(reader, writer, on_note)
-    settings = {"stream": True, "adapt": adapt, "debounceMs": BASE_DEBOUNCE_MS, "maxTokens": 48}
+    settings = {"stream": True, "adapt": adapt, "debounceMs": BASE_DEBOUNCE_MS, "maxTokens": 48,
+                "prefetch": prefetch}
     if budget_ms:
         settings["deadlineMs"] = budget_ms
     await conn.call("initialize", {"processId": None, "capabilities": {}, "clientInfo": {"name": "warmspec-replay"},
@@ -209,7 +212,7 @@ async def type_session(port: int, text: str, start: int, end: int, uri: str, *, 
     version = 1
     conn.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": 1,
                                                           "text": doc}})
-    side = Side(adapt=adapt, budget_ms=budget_ms)
+    side = Side(adapt=adapt, budget_ms=budget_ms, patient=patient, prefetch=prefetch)
     pos = start
 
     def change() -> None:
@@ -328,7 +331,7 @@ def answered(env: wire.Envelope, sent: float, first_partial: float | None) -> Re
 
 
 def run_side(lm, text: str, start: int, end: int, *, adapt: bool, budget_ms: int | None,
-             patient: bool = False) -> Side:
+             patient: bool = False, prefetch: bool = False) -> Side:
     """One side: a fresh engine and daemon around ``lm``, the session typed against it."""
     from .core import Engine, SamplingParams, default_cost_cache
     from .server.app import App
@@ -355,7 +358,7 @@ def run_side(lm, text: str, start: int, end: int, *, adapt: bool, budget_ms: int
                 port, text, start, end, path.as_uri(), adapt=adapt, budget_ms=budget_ms,
                 engine_seconds=lambda: totals.prefill_s + totals.decode_s,
                 inline_counts=lambda: (app.inline.counts.tokens_generated, app.inline.counts.tokens_thrown_away),
-                patient=patient))
+                patient=patient, prefetch=prefetch))
             side.plain_tok_s = plain.stats.decode_tok_s
             side.load_avg = os.getloadavg()[0]
             return side
@@ -395,7 +398,8 @@ def report(sides: list[Side], file: str, lines: tuple[int, int], lm_name: str) -
         return f"{statistics.median(xs):.0f} / {_q(xs, 0.9):.0f} / {max(xs):.0f}" if xs else "-"
 
     rows = [
-        ("adaptation", col(lambda s: ("on" if s.adapt else "off") + (", patient typist" if s.patient else ""))),
+        ("adaptation", col(lambda s: ("on" if s.adapt else "off") + (", patient typist" if s.patient else "")
+                                     + (", prefetch" if s.prefetch else ""))),
         ("characters typed / accepted from suggestions", col(lambda s: f"{s.typed_chars} / {s.accepted_chars}")),
         ("suggestions shown: accepted / in part / dismissed",
          col(lambda s: f"{s.shown}: {s.accepted} / {s.partial} / {s.dismissed}")),
@@ -429,12 +433,14 @@ def report(sides: list[Side], file: str, lines: tuple[int, int], lm_name: str) -
 
 
 def run(lm, out: Path, *, file: Path = DEFAULT_FILE, lines: tuple[int, int] = DEFAULT_LINES,
-        budget_ms: int | None = 250, patient: bool = False) -> str:
-    """Both sides, adaptation off then on; writes typing.json and typing.md into ``out``."""
+        budget_ms: int | None = 250, patient: bool = False, compare: str = "adapt") -> str:
+    """Two sides: adaptation off then on (``compare="adapt"``), or with adaptation, prefetch off
+    then on (``"prefetch"``); writes typing.json and typing.md into ``out``."""
     text = file.read_text()
     start, end = span(text, lines)
-    sides = [run_side(lm, text, start, end, adapt=adapt, budget_ms=budget_ms, patient=patient)
-             for adapt in (False, True)]
+    configs = [(False, False), (True, False)] if compare == "adapt" else [(True, False), (True, True)]
+    sides = [run_side(lm, text, start, end, adapt=adapt, budget_ms=budget_ms, patient=patient, prefetch=pf)
+             for adapt, pf in configs]
     out.mkdir(parents=True, exist_ok=True)
     (out / "typing.json").write_bytes(msgspec.json.format(msgspec.json.encode(sides)))
     md = report(sides, file.name, lines, lm.name)
@@ -449,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-ms", type=int, default=250, help="deadlineMs per suggestion (0: none)")
     p.add_argument("--patient", action="store_true",
                    help="the typist waits for each keystroke's suggestion (every request's latency alone)")
+    p.add_argument("--compare", choices=("adapt", "prefetch"), default="adapt",
+                   help="the two sides: feedback adaptation off and on, or prefetch off and on")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=Path("typing-out"))
     args = p.parse_args(argv)
@@ -459,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
 
     a, b = (int(x) for x in args.lines.split("-"))
     print(run(load(args.model), args.out, file=args.file, lines=(a, b), budget_ms=args.budget_ms or None,
-              patient=args.patient))
+              patient=args.patient, compare=args.compare))
     return 0
 
 

@@ -245,7 +245,10 @@ class Prefetch:
     210 ms after the request. Started at the ``didChange`` that typed the character, the job has
     used the debounce: a request for the same window attaches to it, gets what it has decoded at
     once and the rest as it comes. The next edit of the document cancels it, as it cancels a
-    request; an answer it completes is cached like a request's."""
+    request; an answer it completes is cached like a request's. Measured in the typing replay
+    (``--compare prefetch``): 102 of 123 requests showed a first character, at a median of 47 ms
+    after the request, against 18 at 154 ms without, for 3.2x the model time (a job per
+    keystroke). Opt-in for that cost."""
 
     def __init__(self, window: Any):
         self.window = window
