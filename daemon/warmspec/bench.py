@@ -334,8 +334,10 @@ class Script:
 
 
 def replay_engine(lm: LoadedModel, costs: CostTable, max_draft: int) -> Engine:
-    """An ``Engine`` over a replay model, with a frozen cost table (``observe_costs=False``): the
-    gate decides from ``costs`` alone, as it would on the hardware they were measured on.
+    """An ``Engine`` over a replay model, with a frozen cost table (``observe_costs=False``) and
+    no host time (``observe_host=False``): the gate decides from ``costs`` alone, as it would on
+    the hardware they were measured on, and the same replay makes the same decisions however
+    busy this machine is.
 
     The model is a script reader: its cache is mlx-lm's ``KVCache`` fed one dummy key per
     position, so the engine's rollback trims it like any attention cache, and the cache offset
@@ -368,7 +370,7 @@ def replay_engine(lm: LoadedModel, costs: CostTable, max_draft: int) -> Engine:
     replay_lm = LoadedModel(model=ReplayModel(), tokenizer=lm.tokenizer,
                             name=f"replay of {lm.name}", source="replay")
     return Engine(replay_lm, speculate=True, max_draft=max_draft, costs=costs, gated=True,
-                  observe_costs=False)
+                  observe_costs=False, observe_host=False)
 
 
 class Replayed(msgspec.Struct):

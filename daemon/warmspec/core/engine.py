@@ -152,6 +152,7 @@ class Engine:
         costs: CostTable | None = None,
         gated: bool = True,
         observe_costs: bool = True,
+        observe_host: bool = True,
         recurrent_rollback: str = "capture",
         prefix_budget_bytes: int | None = None,
         checkpoint_every: int = CHECKPOINT_EVERY,
@@ -192,6 +193,9 @@ class Engine:
         self.gated = gated
         self.cost_cache = cost_cache
         self.observe_costs = observe_costs  # False for replays, whose passes are priced, not timed
+        # False: the gate leaves this host's own time out (proposing, the time outside the pass),
+        # so that its decisions depend on the cost table alone: replays, and a run compared with one
+        self.observe_host = observe_host
         self._costs = costs
         self._gate: Gate | None = None
         self.totals = GenerationStats()
@@ -218,7 +222,7 @@ class Engine:
     @property
     def gate(self) -> Gate:
         if self._gate is None:
-            self._gate = Gate(self.costs, max_draft=self.max_draft, enabled=self.gated)
+            self._gate = Gate(self.costs, max_draft=self.max_draft, enabled=self.gated, timed=self.observe_host)
         return self._gate
 
     @property

@@ -195,10 +195,11 @@ class CostTable:
 class Gate:
     """``enabled=False`` always verifies everything proposed (for measurement and tests)."""
 
-    def __init__(self, costs: CostTable, max_draft: int = 16, *, enabled: bool = True):
+    def __init__(self, costs: CostTable, max_draft: int = 16, *, enabled: bool = True, timed: bool = True):
         self.costs = costs
         self.max_draft = max_draft
         self.enabled = enabled
+        self.timed = timed  # False: host times are not observed (decisions from the cost table alone)
         self.rate: dict[tuple[str, int], float] = {}  # (source, bin) -> per-token acceptance
         self.refusals: dict[tuple[str, int], int] = {}
         self.host_s = 0.0  # proposing + gating, per step (decayed mean)
@@ -283,10 +284,14 @@ class Gate:
         draft looked cheaper than a plain step at any acceptance, and the gate drafted at 11%
         acceptance: prose ran at 0.86x plain. Where plain steps are synchronous too (a CPU) both
         pay it, and it favours neither."""
+        if not self.timed:
+            return
         self.outside_s = seconds if self.outside_s == 0.0 else 0.9 * self.outside_s + 0.1 * seconds
 
     def observe_source(self, source: str, seconds: float) -> None:
         """Fold in the host time one proposal of ``source`` took."""
+        if not self.timed:
+            return
         old = self.host_source.get(source)
         self.host_source[source] = seconds if old is None else 0.9 * old + 0.1 * seconds
 
@@ -333,6 +338,8 @@ class Gate:
         """Fold in the host time of one proposal; after one that came to nothing, pause proposing
         for as many steps as keep its cost under ``HOST_SHARE`` of a plain step (at most
         ``MAX_SKIP``)."""
+        if not self.timed:
+            return
         self.host_s = seconds if self.host_s == 0.0 else 0.9 * self.host_s + 0.1 * seconds
         if not drafting and self.enabled:
             self.skip = min(int(self.host_s / (HOST_SHARE * self.costs.plain(context))), MAX_SKIP)
