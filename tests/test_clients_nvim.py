@@ -161,6 +161,13 @@ def test_feedback_reaches_the_daemon(smoke):
     assert inline["first_visible"]["count"] >= 1
 
 
+def test_typing_starts_suggestions_before_they_are_asked(smoke):
+    """The plugin turns ``prefetch`` on: once it has asked for ghost text, the characters it types
+    start suggestions at their ``didChange`` (the daemon counts them)."""
+    res, _ = smoke
+    assert res["status"]["inline"]["prefetched"] >= 1, res["status"]["inline"]
+
+
 def test_ask_streams_into_a_scratch_buffer_with_a_summary(smoke):
     res, _ = smoke
     ask = res["ask"]

@@ -529,6 +529,7 @@ def test_a_typing_keystroke_starts_the_suggestion_before_the_request(d):
     text = SOURCE.replace("area", "surface")
     typed = text + "s"
     counts = d.app.inline.counts
+    prefetched = counts.prefetched
     with raw_client(d, maxTokens=8, stream=True, prefetch=True) as c:
         raw_open(c, uri, text)
         msg_id, _ = raw_inline(c, uri, text)  # the client asks for ghost text: prefetching starts
@@ -539,6 +540,7 @@ def test_a_typing_keystroke_starts_the_suggestion_before_the_request(d):
                                             "contentChanges": [{"text": typed}]})
         wait_for(lambda: counts.tokens_generated > generated and d.app.scheduler.active is None,
                  "the prefetched suggestion")
+        assert counts.prefetched == prefetched + 1
         msg_id, _ = raw_inline(c, uri, typed)
         _, reply = read_until_reply(c, msg_id)
     result = msgspec.convert(reply.result, wire.InlineCompletionResult)
@@ -553,8 +555,77 @@ def test_a_typing_keystroke_starts_the_suggestion_before_the_request(d):
                                                 "contentChanges": [{"text": typed}]})
         alone.call("warmspec/status", None, dict)  # the change has been handled
         assert counts.tokens_generated == generated and d.app.scheduler.active is None
+        assert counts.prefetched == prefetched + 1
         msg_id, _ = raw_inline(alone, alone_uri, typed)
         _, again = read_until_reply(alone, msg_id)
     again = msgspec.convert(again.result, wire.InlineCompletionResult)
     assert again.warmspec.finish in ("stop", "length")
     assert [i.insert_text for i in again.items] == [i.insert_text for i in result.items]
+
+
+def test_a_request_attaches_to_the_prefetch_under_way_and_an_edit_ends_both(d, monkeypatch):
+    """The request that comes while the keystroke's suggestion is still decoding is served by that
+    job (no second one): it streams, and answers what a request alone gets. An edit during an
+    attached request answers it -32801, as it would a request's own job."""
+    import threading
+
+    release = threading.Event()
+    generate = d.app.engine.generate
+
+    def held(*args, **kwargs):
+        release.wait(60)  # the prefetch is under way until the test lets it decode
+        yield from generate(*args, **kwargs)
+
+    uri = (d.root / "attach.py").as_uri()
+    alone_uri = (d.root / "attach-alone.py").as_uri()
+    text = SOURCE.replace("area", "volume")
+    typed = text + "v"
+    counts = d.app.inline.counts
+    with raw_client(d, maxTokens=8, stream=True) as alone:  # the reference: a request's own job
+        raw_open(alone, alone_uri, typed)
+        msg_id, _ = raw_inline(alone, alone_uri, typed)
+        _, reference = read_until_reply(alone, msg_id)
+    reference = msgspec.convert(reference.result, wire.InlineCompletionResult)
+    monkeypatch.setattr(d.app.engine, "generate", held)
+    with raw_client(d, maxTokens=8, stream=True, prefetch=True) as c:
+        raw_open(c, uri, text)
+        msg_id, _ = raw_inline(c, uri, text)
+        try:
+            release.set()
+            read_until_reply(c, msg_id)
+            wait_for(lambda: d.app.scheduler.active is None, "the engine to be idle")
+            release.clear()
+            started, attached = counts.prefetched, counts.prefetch_attached
+            c.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": 2},
+                                                "contentChanges": [{"text": typed}]})
+            wait_for(lambda: counts.prefetched == started + 1 and d.app.scheduler.active is not None,
+                     "the prefetch to be under way")
+            msg_id, _ = raw_inline(c, uri, typed)
+            wait_for(lambda: counts.prefetch_attached == attached + 1, "the request to attach")
+            release.set()
+            notes, reply = read_until_reply(c, msg_id)
+            result = msgspec.convert(reply.result, wire.InlineCompletionResult)
+            assert result.warmspec.finish in ("stop", "length")
+            assert [i.insert_text for i in result.items] == [i.insert_text for i in reference.items]
+            assert [n["params"]["text"] for n in notes if n["method"] == "warmspec/inlineCompletionPartial"][-1:] \
+                == [i.insert_text for i in result.items]
+            assert counts.prefetched == started + 1  # the request ran no job of its own
+
+            release.clear()  # an edit while a request is attached: -32801 for it
+            wait_for(lambda: d.app.scheduler.active is None, "the engine to be idle")
+            again = typed + "o"
+            c.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": 3},
+                                                "contentChanges": [{"text": again}]})
+            wait_for(lambda: counts.prefetched == started + 2 and d.app.scheduler.active is not None,
+                     "the second prefetch to be under way")
+            cancelled = counts.cancelled
+            msg_id, _ = raw_inline(c, uri, again)
+            wait_for(lambda: counts.prefetch_attached == attached + 2, "the request to attach")
+            c.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": 4},
+                                                "contentChanges": [{"text": again + "\n"}]})
+            _, reply = read_until_reply(c, msg_id)
+            assert reply.error is not msgspec.UNSET and reply.error.code == -32801
+            assert counts.cancelled == cancelled + 1
+        finally:
+            release.set()
+    wait_for(lambda: d.app.scheduler.active is None, "the engine to be idle")

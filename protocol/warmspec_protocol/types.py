@@ -227,6 +227,8 @@ class InlineStatus(Struct, kw_only=True):
     ran), at their ``deadline`` (answered with the text so far), or with the whole suggestion.
     ``tokens_generated`` counts the tokens decoded for suggestions, ``tokens_thrown_away`` those
     of suggestions dismissed, cancelled or not accepted in full (by character share).
+    ``prefetched`` counts the suggestions started at a typing ``didChange`` (``prefetch``),
+    ``prefetch_attached`` the requests that were served by one while it ran.
     ``documents`` (the most recent 256) and ``languages`` hold the editors' feedback."""
 
     requests: int = 0
@@ -239,6 +241,8 @@ class InlineStatus(Struct, kw_only=True):
     tokens_thrown_away: int = 0
     next_edits: int = 0  # warmspec/nextEdit answers with an edit
     alternatives: int = 0  # warmspec/alternatives requests served
+    prefetched: int = 0
+    prefetch_attached: int = 0
     acceptance: Acceptance = msgspec.field(default_factory=Acceptance)
     documents: dict[str, Acceptance] = {}
     languages: dict[str, Acceptance] = {}

@@ -70,9 +70,6 @@ local ok_run, run_err = pcall(function()
   local function type_until(typed, ready, after)
     type_stages(typed, { { ready = ready, after = after } })
   end
-  local function now_()
-    return true
-  end
   local function status_now()
     local got = nil
     warmspec.request(warmspec.client(false), "warmspec/status", vim.empty_dict(), function(_, result)
@@ -168,23 +165,32 @@ local ok_run, run_err = pcall(function()
   out.cancelled_after = status_now().inline.cancelled
 
   -- 2d. Partial accept: <M-Right> inserts the next word of the suggestion, which keeps showing the
-  -- rest; <Tab> then inserts the rest.
+  -- rest; <Tab> then inserts the rest. Each stage waits for its key to have changed the buffer (on
+  -- a loaded machine a fed key can take longer than a timer tick to be read).
   out.partial = {}
+  local function text_now()
+    return table.concat(api.nvim_buf_get_lines(buf, 0, -1, false), "\n")
+  end
+  local function changed_from(field)
+    return function()
+      return text_now() ~= out.partial[field]
+    end
+  end
   type_stages(keys("Go<CR>def is_even(n):<CR>    return "), {
     { ready = final_ghost, after = function()
       local g = ghost.current()
       out.partial.ghost = g and g.text
-      out.partial.before = table.concat(api.nvim_buf_get_lines(buf, 0, -1, false), "\n")
+      out.partial.before = text_now()
       return "<M-Right>"
     end },
-    { ready = now_, after = function()
+    { ready = changed_from("before"), after = function()
       local g = ghost.current()
-      out.partial.after_word = table.concat(api.nvim_buf_get_lines(buf, 0, -1, false), "\n")
+      out.partial.after_word = text_now()
       out.partial.rest = g and g.text
       return "<Tab>"
     end },
-    { ready = now_, after = function()
-      out.partial.after_tab = table.concat(api.nvim_buf_get_lines(buf, 0, -1, false), "\n")
+    { ready = changed_from("after_word"), after = function()
+      out.partial.after_tab = text_now()
       return "<Esc>"
     end },
   })

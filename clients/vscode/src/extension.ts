@@ -70,7 +70,8 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
     vscode.commands.registerCommand('warmspec.status', showStatus),
     vscode.commands.registerCommand('warmspec.restart', restart),
     vscode.workspace.onDidChangeConfiguration(async (e) => {
-      if (e.affectsConfiguration('warmspec.server') || e.affectsConfiguration('warmspec.inlineCompletion.maxTokens')) {
+      if (e.affectsConfiguration('warmspec.server') || e.affectsConfiguration('warmspec.inlineCompletion.maxTokens')
+          || e.affectsConfiguration('warmspec.inlineCompletion.prefetch')) {
         await restart();
       }
       if (e.affectsConfiguration('warmspec.inlineCompletion')) {
@@ -117,6 +118,7 @@ async function start(): Promise<void> {
         stream: true,
         debounceMs: config().get<number>('inlineCompletion.debounceMs', 150),
         adapt: config().get<boolean>('inlineCompletion.adaptive', true),
+        prefetch: config().get<boolean>('inlineCompletion.prefetch', true),
       },
     },
     outputChannel: log,

@@ -109,6 +109,8 @@ export interface InlineStatus {
   tokens_thrown_away: number;
   next_edits: number;
   alternatives: number;
+  prefetched: number;
+  prefetch_attached: number;
   acceptance: Acceptance;
   documents: Record<string, Acceptance>;
   languages: Record<string, Acceptance>;
@@ -154,6 +156,8 @@ export interface InlineCompletionSettings {
   deadlineMs?: number | null;
   debounceMs?: number;
   adapt?: boolean;
+  /** Start the suggestion at a typing `didChange`, before the request (more model time). */
+  prefetch?: boolean;
 }
 
 export interface InitializationOptions {

@@ -205,6 +205,7 @@ class InlineMetrics:
             requests=c.requests, cache_hits=c.cache_hits, cancelled=c.cancelled, deadline=c.deadline,
             first_visible=_latency(self.first_visible), final=_latency(self.final),
             tokens_generated=c.tokens_generated, tokens_thrown_away=c.tokens_thrown_away,
-            next_edits=c.next_edits, alternatives=c.alternatives, acceptance=copy(self.total),
+            next_edits=c.next_edits, alternatives=c.alternatives, prefetched=c.prefetched,
+            prefetch_attached=c.prefetch_attached, acceptance=copy(self.total),
             documents={u: copy(a) for u, a in self.documents.items()},
             languages={k: copy(a) for k, a in self.languages.items()})

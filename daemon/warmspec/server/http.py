@@ -572,6 +572,8 @@ class Context:
         metric("inline_requests_total", "counter", "Ghost-text requests, by how they ended.",
                [(f'{{outcome="{k}"}}', v) for k, v in (("cache", il.cache_hits), ("cancelled", il.cancelled),
                                                        ("deadline", il.deadline), ("all", il.requests))])
+        metric("inline_prefetch_total", "counter", "Ghost text started at a keystroke, and requests it served.",
+               [('{kind="started"}', il.prefetched), ('{kind="attached"}', il.prefetch_attached)])
         metric("inline_first_visible_seconds", "summary", "Ghost text: request to its first visible character.",
                [(f'{{quantile="{q}"}}', ms / 1000) for q, ms in (("0.5", il.first_visible.p50_ms),
                                                                  ("0.9", il.first_visible.p90_ms))])

@@ -650,22 +650,35 @@ class Connection(LanguageServer):
         if claim and current is not None:
             self.inline[uri] = current
 
+    def ghost_window(self, doc: TextDocument, source: str, cursor: int) -> Any:
+        """The ghost-text window for ``cursor`` in ``source`` (``doc``'s text now, or just after an
+        edit): the suggestion length adapted to the language's acceptance when ``adapt`` is on."""
+        settings = self.settings
+        language = doc.language_id or "plaintext"
+        max_tokens = self.app.inline.max_tokens(language, settings.max_tokens) if settings.adapt else settings.max_tokens
+        return self.service.ghost.window(doc.uri, source, cursor, settings, max_tokens)
+
+    def superseded_error(self) -> RpcError | None:
+        """The -32801 answer for this cancelled task when a newer request or an edit of its document
+        ended it (``supersede``); None when it was cancelled otherwise (``$/cancelRequest``, close)."""
+        task = asyncio.current_task()
+        if task not in self.superseded:
+            return None
+        self.superseded.discard(task)
+        return RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request or an edit of "
+                        "this document replaced this one")
+
     def cancel_prefetch(self, uri: str) -> None:
         if (pf := self.prefetches.pop(uri, None)) is not None:
             pf.task.cancel()
 
     def start_prefetch(self, uri: str, source: str, cursor: int) -> None:
         """Start the ghost text for ``cursor`` now, before the client asks (see ``Prefetch``)."""
-        settings = self.settings
-        doc = self.open_document(uri)
-        language = doc.language_id or "plaintext"
-        metrics = self.app.inline
-        max_tokens = metrics.max_tokens(language, settings.max_tokens) if settings.adapt else settings.max_tokens
-        ghost = self.service.ghost
-        window = ghost.window(uri, source, cursor, settings, max_tokens)
-        if not window.prefix.strip() or ghost.cache.lookup(window) is not None:
+        window = self.ghost_window(self.open_document(uri), source, cursor)
+        if not window.prefix.strip() or self.service.ghost.cache.lookup(window) is not None:
             return
         pf = Prefetch(window)
+        self.app.inline.counts.prefetched += 1
         pf.task = asyncio.ensure_future(self._prefetch(pf))
         self.prefetches[uri] = pf
 
@@ -837,9 +850,8 @@ async def suggest_inline(ls: Connection, msg_id: wire.RequestId, params: lsp.Inl
     doc = ls.open_document(uri)
     language = doc.language_id or "plaintext"
     metrics.requested()
-    max_tokens = metrics.max_tokens(language, settings.max_tokens) if settings.adapt else settings.max_tokens
     ghost = ls.service.ghost
-    window = ghost.window(doc.uri, doc.source, doc.offset_at_position(params.position), settings, max_tokens)
+    window = ls.ghost_window(doc, doc.source, doc.offset_at_position(params.position))
     first_visible: float | None = None
     tokens = 0
     if not window.prefix.strip():
@@ -892,10 +904,8 @@ async def suggest_inline(ls: Connection, msg_id: wire.RequestId, params: lsp.Inl
             raise RpcError(ErrorCode.INVALID_PARAMS, str(e)) from None
         except asyncio.CancelledError:
             metrics.cancelled(tokens)
-            if asyncio.current_task() in ls.superseded:
-                ls.superseded.discard(asyncio.current_task())
-                raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request or an edit of "
-                               "this document replaced this one") from None
+            if (error := ls.superseded_error()) is not None:
+                raise error from None
             raise
         text = fin.text
         tokens = answer_tokens = fin.stats.completion_tokens
@@ -914,6 +924,7 @@ async def attach(ls: Connection, pf: Prefetch, show: Callable[[str], None],
     would). ``(text, finish, tokens)``, or None when the prefetch ended without an answer (the
     engine refused it): then the request runs its own job."""
     pf.attached = True
+    ls.app.inline.counts.prefetch_attached += 1
     if pf.text:
         show(pf.text)
     pf.listener = show
@@ -925,10 +936,8 @@ async def attach(ls: Connection, pf: Prefetch, show: Callable[[str], None],
         return pf.text, "deadline", pf.tokens
     except asyncio.CancelledError:
         ls.app.inline.cancelled(0)  # the prefetch's tokens are counted when it ends
-        if asyncio.current_task() in ls.superseded:
-            ls.superseded.discard(asyncio.current_task())
-            raise RpcError(ErrorCode.CONTENT_MODIFIED, "a newer inline completion request or an edit of "
-                           "this document replaced this one") from None
+        if (error := ls.superseded_error()) is not None:
+            raise error from None
         raise
     finally:
         pf.listener = None

@@ -19,6 +19,7 @@ M.defaults = {
   inline = {
     enabled = true,
     debounce_ms = 150, -- idle time in insert mode before asking for ghost text
+    prefetch = true, -- the server starts the suggestion at each typed change, before it is asked
     adaptive = true, -- debounce: the server's advice, and at least 1.2x the user's pause between keys
     debounce_min_ms = 30,
     debounce_max_ms = 600,
@@ -160,6 +161,7 @@ local function start()
         stream = true,
         debounceMs = cfg.inline.debounce_ms,
         adapt = cfg.inline.adaptive,
+        prefetch = cfg.inline.prefetch,
       },
     },
     handlers = { ["warmspec/delta"] = on_delta, ["warmspec/inlineCompletionPartial"] = on_partial },
