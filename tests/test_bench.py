@@ -185,6 +185,29 @@ def test_copy_fraction():
     assert bench.copy_fraction(rng.integers(0, 50, 300).tolist(), rng.integers(0, 50, 300).tolist()) == 0.0
 
 
+def test_paired_speedup_compares_runs_of_the_same_repeat():
+    """A host that turns twice as slow during the second repeat, between plain's run and the
+    mode's: per-mode medians put the mode at 0.5x plain although every repeat but that one ran
+    them at the same speed; the median of each repeat's own ratio says 1.0x, and the summary
+    counts the case under the floor only by medians."""
+    from warmspec_protocol.bench import CaseResult
+
+    def row(mode, runs):
+        return CaseResult(file="f", id="c", mode=mode, tokens=100, decode_s=sorted(runs)[len(runs) // 2],
+                          prefill_s=0.0, passes=100, drafted=0, accepted=0, identical_to_plain=True,
+                          decode_runs=runs)
+
+    plain = row("plain", [1.0, 1.0, 2.0])
+    mode = row("ngram", [1.0, 2.0, 2.0])
+    assert bench.case_speedup(mode, plain) == 0.5  # medians: 1.0 s against 2.0 s
+    assert bench.paired_speedup(mode, plain) == 1.0  # 1/1, 1/2, 2/2
+    s = bench.mode_summary([mode], {bench._key(plain): plain})
+    assert (s.below_floor, s.below_floor_paired) == (1, 0)
+    assert (s.min_speedup, s.min_paired_speedup) == (0.5, 1.0)
+    one = row("ngram", [2.0])
+    assert bench.paired_speedup(one, plain) == bench.case_speedup(one, plain) == 0.5  # one repeat: medians
+
+
 def parse(*argv):
     parser = argparse.ArgumentParser(prog="warmspec")
     bench.add_parser(parser.add_subparsers(dest="command"))

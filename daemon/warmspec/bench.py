@@ -72,6 +72,8 @@ WARMUP_TOKENS = 8
 # is not a near tie resolved differently by a wider pass: it is a bug. (Seen on an H200 in float32:
 # a flip at a margin of 3.2e-3; on CPU float32 outputs are bit-identical.)
 TIE_MARGIN = 0.05
+# Speculation must not make a prompt slower than plain decoding: a case under this ratio is counted.
+FLOOR = 0.97
 VARIANTS = ("prompt_only", "in_prompt", "workspace")
 
 
@@ -297,6 +299,7 @@ def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, lis
                 drafted=statistics.median_low(s.drafted for s in st),
                 accepted=statistics.median_low(s.accepted for s in st),
                 gated_steps=statistics.median_low(s.gated_steps for s in st),
+                decode_runs=[round(s.decode_s, 6) for s in st],
                 prompt_tokens=st[0].prompt_tokens,
                 cached_tokens=st[0].cached_tokens,
                 finish_reason=runs[0].finish_reason,
@@ -463,6 +466,18 @@ def case_speedup(row: CaseResult, plain: CaseResult) -> float:
     return _rate(row.tokens, row.decode_s) / base if base else 0.0
 
 
+def paired_speedup(row: CaseResult, plain: CaseResult) -> float:
+    """The median over repeats of the mode's tok/s against plain's in the same repeat. Why: on the
+    H200 one case's plain runs went 117, 119, 212, 233, 244 tok/s (docs/bench/h200-s21/diag-f32.txt):
+    the host changes state between repeats, and medians taken per mode can pair a slow state with
+    a fast one; runs of one repeat are seconds apart. Without per-repeat times (one repeat, or an
+    older results.json): ``case_speedup``."""
+    if len(row.decode_runs) < 2 or len(row.decode_runs) != len(plain.decode_runs):
+        return case_speedup(row, plain)
+    return statistics.median(p / m if m > 0 else 0.0 for p, m in zip(plain.decode_runs, row.decode_runs)) \
+        * (row.tokens / plain.tokens if plain.tokens else 0.0)
+
+
 def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseResult]) -> ModeSummary:
     """Totals over the mode's rows; the speedup is over the rows plain also ran: the ratio of
     total decode tok/s (plain decode time / mode decode time when outputs are identical)."""
@@ -473,7 +488,9 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
     drafted = sum(r.drafted for r in rows)
     passes = sum(r.passes for r in rows)
     per_case = [(case_speedup(r, plain[_key(r)]), r.id) for r in both]
+    paired = [(paired_speedup(r, plain[_key(r)]), r.id) for r in both]
     slowest = min(per_case, default=(0.0, ""))
+    slowest_paired = min(paired, default=(0.0, ""))
     margins = [r.divergence.margin for r in rows if r.divergence is not None]
     return ModeSummary(
         cases=len(rows), tokens=tokens, decode_s=decode_s, tok_s=_rate(tokens, decode_s),
@@ -483,6 +500,8 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
         tokens_per_pass=tokens / passes if passes else 0.0,
         identical=f"{sum(r.identical_to_plain for r in rows)}/{len(rows)}",
         min_speedup=slowest[0], min_case=slowest[1],
+        min_paired_speedup=slowest_paired[0], min_paired_case=slowest_paired[1],
+        below_floor=sum(s < FLOOR for s, _ in per_case), below_floor_paired=sum(s < FLOOR for s, _ in paired),
         divergences=len(margins), max_divergence_margin=max(margins, default=0.0),
     )
 
@@ -711,7 +730,9 @@ def report(res: BenchResults) -> str:
          f"per case, greedy, repeat {res.repeat} (medians); max draft {res.max_draft}"),
         ("- speedup: plain decode tok/s against the mode's on the same cases; identical: token "
          "ids equal plain's; load: the 1-minute load average after the case (above the core "
-         "count, other processes competed for the CPU and timings are noisy)"), "",
+         "count, other processes competed for the CPU and timings are noisy); paired: the "
+         "median over repeats of each repeat's ratio (its runs are seconds apart), which a host "
+         "that drifts between repeats moves less"), "",
         "## Per input file", "",
     ]
     summary_rows = []
@@ -719,12 +740,16 @@ def report(res: BenchResults) -> str:
         for mode in MODES:
             ms: ModeSummary | None = getattr(s, mode_attr(mode))
             if ms is not None:
-                slowest = f"{ms.min_speedup:.2f}x ({ms.min_case})" if mode != "plain" else ""
+                other = mode != "plain"
+                slowest = f"{ms.min_speedup:.2f}x ({ms.min_case})" if other else ""
+                paired = f"{ms.min_paired_speedup:.2f}x ({ms.min_paired_case})" if other else ""
+                below = f"{ms.below_floor} / {ms.below_floor_paired}" if other else ""
                 summary_rows.append((f, mode, ms.cases, ms.tokens, f"{ms.decode_s:.1f}",
-                                     f"{ms.tok_s:.1f}", f"{ms.speedup_vs_plain:.2f}x", slowest,
-                                     f"{ms.acceptance:.0%}", f"{ms.tokens_per_pass:.2f}", ms.identical))
+                                     f"{ms.tok_s:.1f}", f"{ms.speedup_vs_plain:.2f}x", slowest, paired,
+                                     below, f"{ms.acceptance:.0%}", f"{ms.tokens_per_pass:.2f}", ms.identical))
     lines += _table(("file", "mode", "cases", "tokens", "decode s", "tok/s", "speedup vs plain",
-                     "slowest case", "acceptance", "tokens/pass", "identical"), summary_rows)
+                     "slowest case", "slowest case, paired", f"below {FLOOR}x (medians / paired)",
+                     "acceptance", "tokens/pass", "identical"), summary_rows)
     diverged = [r for r in res.cases if r.divergence is not None]
     if diverged:
         lines += ["", "## Divergences from plain", "",
@@ -764,11 +789,12 @@ def report(res: BenchResults) -> str:
     lines += ["", "## Cases", ""]
     lines += _table(
         ("file", "id", "turn", "mode", "tokens", "prefill s", "TTFT s", "decode s", "tok/s",
-         "speedup", "passes", "tokens/pass", "accepted/drafted", "identical", "copy fraction",
+         "speedup", "paired", "passes", "tokens/pass", "accepted/drafted", "identical", "copy fraction",
          "load"),
         [(r.file, r.id, r.turn, r.mode, r.tokens, f"{r.prefill_s:.2f}", f"{r.ttft_s:.3f}",
           f"{r.decode_s:.2f}", f"{_rate(r.tokens, r.decode_s):.1f}",
           f"{case_speedup(r, plain[_key(r)]):.2f}x" if _key(r) in plain else "",
+          f"{paired_speedup(r, plain[_key(r)]):.2f}x" if _key(r) in plain else "",
           r.passes, f"{r.tokens / r.passes:.2f}" if r.passes else "", f"{r.accepted}/{r.drafted}",
           "yes" if r.identical_to_plain else "NO", f"{r.copy_fraction:.0%}", f"{r.load_avg:.1f}")
          for r in res.cases])
@@ -848,7 +874,7 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
             ms: ModeSummary | None = getattr(s, mode_attr(mode))
             if ms is not None and mode != "plain":
                 parts.append(f"{mode} {ms.speedup_vs_plain:.2f}x vs plain ({ms.tok_s:.1f} tok/s), "
-                             f"slowest case {ms.min_speedup:.2f}x, "
+                             f"slowest case {ms.min_speedup:.2f}x (paired {ms.min_paired_speedup:.2f}x), "
                              f"acceptance {ms.acceptance:.0%}, {ms.tokens_per_pass:.2f} tok/pass, "
                              f"identical {ms.identical}"
                              + (f" ({ms.divergences} diverged, max margin {ms.max_divergence_margin:.2e}"

@@ -92,6 +92,7 @@ class CaseResult(Struct, kw_only=True):
     copy_fraction: float = 0.0
     load_avg: float = 0.0  # 1-minute load average after the case: above the core count, noisy
     divergence: Divergence | None = None  # where the tokens first differ from plain's
+    decode_runs: list[float] = []  # each repeat's decode seconds, in run order (modes alternate per repeat)
 
 
 class ReplayResult(Struct, kw_only=True):
@@ -123,6 +124,12 @@ class ModeSummary(Struct, kw_only=True):
     identical: str  # "n/m"
     min_speedup: float = 0.0  # the slowest case against plain
     min_case: str = ""
+    # the same from paired repeats: per case the median over repeats of plain's run against the
+    # mode's run of the same repeat (seconds apart), which cancels a host that drifts between repeats
+    min_paired_speedup: float = 0.0
+    min_paired_case: str = ""
+    below_floor: int = 0  # cases under FLOOR (0.97x) against plain, by medians
+    below_floor_paired: int = 0  # the same, paired
     divergences: int = 0
     max_divergence_margin: float = 0.0
 

@@ -36,6 +36,7 @@ local ok_run, run_err = pcall(function()
   local ghost = require("warmspec.ghost")
   local nextedit = require("warmspec.nextedit")
   local ask = require("warmspec.ask")
+  ghost.trace, nextedit.trace = {}, {} -- record what was shown
   -- Not adaptive: the suggestion length stays put, so a suggestion has room to grow in steps.
   warmspec.setup({
     cmd = vim.fn.json_decode(os.getenv("WARMSPEC_TEST_CMD")),
@@ -55,6 +56,9 @@ local ok_run, run_err = pcall(function()
     local deadline = vim.loop.now() + 45000
     t:start(50, 50, vim.schedule_wrap(function()
       local stage = stages[i]
+      if not stage then
+        return -- a tick scheduled before the last stage stopped the timer
+      end
       if not stage.ready() and vim.loop.now() < deadline then
         return
       end
@@ -136,7 +140,7 @@ local ok_run, run_err = pcall(function()
     local seen = {}
     for i = mark0 + 1, #ghost.trace do
       local e = ghost.trace[i]
-      if g and e.id == g.id then
+      if g and e.id == g.id and e.kind ~= "request" then
         table.insert(seen, { kind = e.kind, text = e.text })
       end
     end

@@ -38,8 +38,16 @@ local gaps = {} -- the last pauses between keystrokes, in ms
 local last_key = nil
 local advised = nil -- the server's advised debounce (ms)
 
--- What the user saw, for tests and scripts: { kind = "partial" | "final", text, id } per render.
-G.trace = {}
+-- What the user saw, for tests and scripts: set G.trace = {} to record { kind = "partial" |
+-- "final" | "request", text, id, t } per render and request (t: milliseconds, vim.loop.hrtime()).
+-- Off (nil) by default, so an editing session does not keep every partial it was shown.
+G.trace = nil
+
+local function record(kind, id, text)
+  if G.trace then
+    table.insert(G.trace, { kind = kind, text = text, id = id, t = vim.loop.hrtime() / 1e6 })
+  end
+end
 
 -- Byte column of an LSP `character` on `line` in the client's position encoding.
 local function byte_col(line, character, encoding)
@@ -180,7 +188,7 @@ local function show(r, item, final, id, index)
   render(r.buf, row, col, text)
   shown = { client = r.client, buf = r.buf, row = row, col = col, text = text, start_col = start_col,
             tick = r.tick, id = id, index = index or 0, offset = typed, final = final }
-  table.insert(G.trace, { kind = final and "final" or "partial", text = text, id = id })
+  record(final and "final" or "partial", id, text)
   if final then
     feedback(r.client, id, "shown", nil, index)
   end
@@ -247,6 +255,7 @@ function G.request(req)
   if id then
     r.id = id
     pending = r
+    record("request", id)
   end
 end
 

@@ -20,8 +20,9 @@ local requested = nil -- { buf, tick } of the last request
 local timer = nil
 local reported = {}
 
--- Every suggestion shown and applied, for tests and scripts: { kind = "shown" | "applied", edit }.
-N.trace = {}
+-- Every suggestion shown and applied, for tests and scripts: set N.trace = {} to record
+-- { kind = "shown" | "applied", edit } (off by default: an editing session keeps none).
+N.trace = nil
 
 function N.clear()
   if shown and api.nvim_buf_is_valid(shown.buf) then
@@ -81,7 +82,9 @@ function N.request()
       virt_text_pos = "eol",
     })
     shown = { buf = buf, tick = tick, edit = edit, srow = r.start.line, scol = scol, erow = erow, ecol = ecol }
-    table.insert(N.trace, { kind = "shown", edit = edit, row = r.start.line })
+    if N.trace then
+      table.insert(N.trace, { kind = "shown", edit = edit, row = r.start.line })
+    end
   end), buf)
 end
 
@@ -98,7 +101,9 @@ function N.apply()
   local row = s.srow + #lines - 1
   local col = (#lines == 1 and s.scol or 0) + #lines[#lines]
   api.nvim_win_set_cursor(0, { row + 1, math.max(0, col - 1) })
-  table.insert(N.trace, { kind = "applied", edit = s.edit, row = s.srow })
+  if N.trace then
+    table.insert(N.trace, { kind = "applied", edit = s.edit, row = s.srow })
+  end
   N.request() -- the one after
   return true
 end
