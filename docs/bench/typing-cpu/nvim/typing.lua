@@ -78,7 +78,6 @@ local ok_run, err = pcall(function()
     vim.defer_fn(warm, 50)
   end
   vim.defer_fn(function()
-    out.mode = api.nvim_get_mode().mode
     ghost.trace = {}
     ghost.request({ manual = true })
     warm()
