@@ -266,6 +266,75 @@ def test_pipelined_plain_steps_between_drafts_exact_every_cache_kind(arch):
     assert again == plain[:40]
 
 
+class Flipping:
+    """Plain steps of both kinds in a random order, to check every switch between them."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.best = True
+        self.seen = {True: 0, False: 0}
+
+    def ahead(self):
+        return bool(self.rng.integers(2))
+
+    def observe(self, ahead, seconds, context=0):
+        assert seconds > 0
+        self.seen[ahead] += 1
+
+
+@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
+def test_switching_between_pipelined_and_synchronous_plain_steps_is_exact(arch):
+    """The plain-step kind can change at any step (a pass in flight is then read without one
+    queued behind it): the tokens are plain's on every cache kind, both kinds get timed, and
+    the engine's next request is right too."""
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(6).integers(0, tiny.VOCAB, 20).tolist()
+    plain, _ = decode(lm, prompt, 70)
+    for seed in range(3):
+        engine = Engine(lm, speculate=True, costs=CostTable(PIPELINED.points, PIPELINED.plain_points),
+                        gated=False)
+        engine._plain_steps = steps = Flipping(seed)
+        spec, stats = decode(lm, prompt, 70, drafter=Intermittent(prompt, plain), speculate=True,
+                             engine=engine)
+        assert spec == plain
+        assert steps.seen[True] > 0 and steps.seen[False] > 0
+        again, _ = decode(lm, prompt, 40, engine=engine)
+        assert again == plain[:40]
+
+
+def test_plain_steps_follow_the_kind_measured_faster():
+    """``PlainSteps`` keeps its prior until both kinds are timed, then the faster one, and tries
+    the other now and then, less often the further apart they are; fixed, it never tries."""
+    from warmspec.core.gate import EXPLORE_EVERY, EXPLORE_FIRST, EXPLORE_STEPS, PlainSteps
+
+    costs = CostTable({0: {1: 0.1}, 1000: {1: 0.2}})
+
+    def run(steps, times, n):
+        kinds = []
+        for i in range(n):
+            ahead = steps.ahead()
+            kinds.append(ahead)
+            steps.observe(ahead, times[ahead] * (1 + i / 1000), context=i)  # context grows
+        return kinds
+
+    steps = PlainSteps(costs, prior=False)
+    kinds = run(steps, {True: 0.09, False: 0.1}, 2000)  # running ahead is 10% faster
+    assert kinds[: EXPLORE_FIRST - 1] == [False] * (EXPLORE_FIRST - 1)  # the prior first
+    tried = EXPLORE_FIRST - 1 + EXPLORE_STEPS
+    assert kinds[EXPLORE_FIRST - 1 : tried] == [True] * EXPLORE_STEPS
+    assert steps.best is True
+    near = kinds[tried:].count(False)  # the synchronous kind, tried now and then
+    assert 0 < near <= EXPLORE_STEPS * (2000 // EXPLORE_EVERY)
+    far = PlainSteps(costs, prior=True)  # synchronous 50% slower: tried less often
+    kinds = run(far, {True: 0.1, False: 0.15}, 2000)
+    assert far.best is True and 0 < kinds[tried:].count(False) < near / 3
+    slower = PlainSteps(costs, prior=True)  # the prior was wrong: running ahead is slower
+    kinds = run(slower, {True: 0.12, False: 0.1}, 300)
+    assert slower.best is False and kinds[-50:].count(False) >= 50 - EXPLORE_STEPS
+    fixed = PlainSteps(costs, prior=True, learn=False)
+    assert all(run(fixed, {True: 0.2, False: 0.1}, 300)) and fixed.best is True
+
+
 def test_plain_decoding_is_pipelined_on_every_cache_kind():
     """Plain greedy decoding (no drafter) runs ahead on every cache kind, not only attention."""
     for arch in tiny.CONFIGS:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .mtp import MTPHead
 from .drafter import Drafter
 from .ngram import DEFAULT_MIN_N, NgramDrafter, RecentAnswers, Source
-from .gate import CostTable, Gate
+from .gate import CostTable, Gate, PlainSteps
 from ..model import LoadedModel
 from .sampling import make_rng, probabilities, verify_sampled
 from ..tokenizer import TextStream
@@ -198,6 +198,7 @@ class Engine:
         self.observe_host = observe_host
         self._costs = costs
         self._gate: Gate | None = None
+        self._plain_steps: PlainSteps | None = None
         self.totals = GenerationStats()
         self.resets = 0  # live caches dropped after a failure: a healthy daemon keeps this at 0
         self._last_read: float | None = None  # when the last pipelined token was read
@@ -459,42 +460,64 @@ class Engine:
         than plain decoding there. A proposal switches to verify passes (one synchronous
         read-back each, since the next pass depends on how many drafts were accepted) and a
         step without one switches back. Sampled plain steps stay synchronous: the sampler runs
-        on the host.
+        on the host. On a CPU, whose cores run both the pass queued ahead and the host, whether
+        running ahead pays is measured in this loop (``PlainSteps``): a pass in flight when the
+        choice turns is read without queuing another behind it.
 
         The answer's first token comes from a synchronous pass: with the second pass queued
         behind it, reading it back waited for both on a CPU, whose cores run the two (the first
         token of a ghost-text request took a median of 258 ms on this 2-core VM, one pass 141
         ms; now 147 ms). From the second token on, the pipeline runs as before.
         """
-        pipelined = run.params.greedy and (drafter is None or self._pipelining_pays())
-        if drafter is not None:
-            self.gate.pipelined = pipelined
+        greedy = run.params.greedy
+        steps = self.plain_steps if drafter is not None and greedy else None
         ahead: _Ahead | None = None  # a plain pass in flight, queued before its input was read
         first = True  # the answer's first token is read before a pass is queued behind it
+        synced: float | None = None  # when the last synchronous plain step's token was read
         try:
             while True:
+                if steps is not None:
+                    self.gate.pipelined = steps.best  # plain steps are priced as they run
                 if ahead is None:
                     draft = self._drafts(drafter, run)
-                    if draft.tokens or not pipelined or first:
+                    if draft.tokens or not greedy or first or (steps is not None and not steps.ahead()):
                         first = False
                         step = self._verify(pending, draft, run)
                         out = time.perf_counter()
+                        if steps is not None:
+                            if synced is not None and not draft.tokens:
+                                steps.observe(False, out - synced, len(self.cache_tokens))
+                            synced = None if draft.tokens else out
                         yield step
                         if drafter is not None:
                             self.gate.observe_outside(time.perf_counter() - out)
                         pending = step.tokens[-1]
                         continue
                     ahead = self._queue(mx.array([pending]), pending)
+                elif steps is not None and not steps.ahead():
+                    # back to synchronous steps: read the pass in flight, queue none behind it
+                    token = self._commit(ahead, run)
+                    synced = time.perf_counter()
+                    done, ahead = ahead, None
+                    yield Step([token], self._hidden(done.pass_, 1))
+                    pending = token
+                    continue
                 nxt = self._queue(ahead.y, None)  # on the device before ahead's token is read
+                last = self._last_read
                 token = self._commit(ahead, run)
+                if steps is not None and last is not None:
+                    steps.observe(True, self._last_read - last, len(self.cache_tokens))
                 nxt.fed = token
                 done, ahead = ahead, nxt  # before the yield: the consumer may stop there
                 yield Step([token], self._hidden(done.pass_, 1))
                 pending = token
+                if steps is not None:
+                    self.gate.pipelined = steps.best
                 draft = self._drafts(drafter, run)
                 if draft.tokens:  # they start with a guess of the token ahead's pass computes
                     step = self._verify(ahead, draft, run)
                     ahead = None
+                    synced = None
                     out = time.perf_counter()
                     yield step
                     self.gate.observe_outside(time.perf_counter() - out)
@@ -543,6 +566,15 @@ class Engine:
     @staticmethod
     def _hidden(p: Pass, n: int) -> mx.array | None:
         return None if p.hidden is None else p.hidden[:n]
+
+    @property
+    def plain_steps(self) -> PlainSteps:
+        """How speculation runs its plain steps: learned online on a CPU (see ``PlainSteps``),
+        from the cost table's guess at first; always pipelined on a GPU."""
+        if self._plain_steps is None:
+            learn = self.observe_costs and mx.default_device().type == mx.DeviceType.cpu
+            self._plain_steps = PlainSteps(self.costs, self._pipelining_pays(), learn=learn)
+        return self._plain_steps
 
     def _pipelining_pays(self) -> bool:
         """Whether plain steps should run ahead while speculating: where a pipelined step costs

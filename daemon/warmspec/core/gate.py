@@ -50,6 +50,14 @@ HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may co
 # plain on an H200 with 4-bit weights.
 MARGIN = 1.08
 MAX_SKIP = 16  # at most this many steps pass without a proposal
+# Trying the other kind of plain step (see ``PlainSteps``): first after this many plain steps,
+# then for this many steps every EXPLORE_EVERY (up to MAX_EXPLORE_EVERY when the kinds differ a
+# lot); each kind needs MIN_STEPS timed steps before the measurement overrides the prior.
+EXPLORE_FIRST = 16
+EXPLORE_EVERY = 64
+EXPLORE_STEPS = 4
+MAX_EXPLORE_EVERY = 1024
+MIN_STEPS = 3
 
 
 class CostTable:
@@ -131,6 +139,11 @@ class CostTable:
     def cost(self, p: int, context: int = 0) -> float:
         return self._base(p, context) * self.scale * self.correction.get(p, 1.0)
 
+    def base(self, p: int, context: int = 0) -> float:
+        """The cost as measured at start-up, without the online corrections: a fixed yardstick
+        for comparing times observed at different context lengths."""
+        return self._base(p, context)
+
     def plain(self, context: int = 0) -> float:
         """Seconds per token of pipelined plain decoding at ``context``."""
         pts = self.plain_points
@@ -192,6 +205,71 @@ class CostTable:
         return {p: self.cost(p, context) for p in self.widths}
 
 
+class PlainSteps:
+    """How the engine runs greedy steps that verify nothing: queued ahead of the host
+    (pipelined) or synchronously, whichever the decode loop itself measures faster.
+
+    Why measured in the loop and not taken from the start-up table: on this 2-core CPU the table
+    priced a pipelined step at 133.8 ms a token against 112.0 ms for a synchronous pass, so
+    speculation ran its drafting-free steps synchronously, while plain decoding (always
+    pipelined) ran at about 122 ms a token and n-gram on prose with nothing to copy at about
+    126 ms: 2% lost on every such prompt. The timed pass has no host work in it and the timed
+    steps no token handling; neither is what the loop runs. Here each step is timed from the
+    previous one-token step's read-back to its own, with everything it really includes (the
+    consumer's work, proposing, gating), relative to the table's one-position cost at that
+    context (so that requests at different context lengths compare). The faster kind is kept
+    and the other is tried for ``EXPLORE_STEPS`` steps every ``EXPLORE_EVERY`` plain steps while
+    the two are within 5% of each other, less often the further apart they are (a kind 20%
+    slower is tried every 256 steps: under 0.3% of the time lost to trying it).
+
+    ``learn=False`` keeps ``prior`` (a GPU, where pipelining always paid: synchronous steps made
+    prose up to 26% slower than plain on an H200; and replays, whose passes are priced).
+    """
+
+    def __init__(self, costs: CostTable, prior: bool, *, learn: bool = True):
+        self.costs = costs
+        self.learn = learn
+        self.best = prior
+        self.mean: dict[bool, float] = {}  # kind (True: pipelined) -> relative seconds a token
+        self.count = {True: 0, False: 0}
+        self.until = EXPLORE_FIRST  # plain steps before the other kind is tried
+        self.trying = 0  # steps of the kind on trial still to run
+        self.trial = not prior
+
+    def ahead(self) -> bool:
+        """Whether the next plain step runs ahead (called once per plain step)."""
+        if not self.learn:
+            return self.best
+        if self.trying:
+            self.trying -= 1
+            return self.trial
+        self.until -= 1
+        if self.until <= 0:
+            self.trying = EXPLORE_STEPS - 1
+            self.until = self._interval()
+            self.trial = not self.best
+            return self.trial
+        return self.best
+
+    def _interval(self) -> int:
+        a, b = self.mean.get(True), self.mean.get(False)
+        if a is None or b is None:
+            return EXPLORE_EVERY
+        gap = abs(a - b) / min(a, b)
+        return int(min(EXPLORE_EVERY * max(1.0, gap / 0.05), MAX_EXPLORE_EVERY))
+
+    def observe(self, ahead: bool, seconds: float, context: int = 0) -> None:
+        """Fold in one plain step of the given kind, timed read-back to read-back."""
+        if not self.learn:
+            return
+        r = seconds / self.costs.base(1, context)
+        old = self.mean.get(ahead)
+        self.mean[ahead] = r if old is None else 0.9 * old + 0.1 * r
+        self.count[ahead] += 1
+        if min(self.count.values()) >= MIN_STEPS:
+            self.best = self.mean[True] < self.mean[False]
+
+
 class Gate:
     """``enabled=False`` always verifies everything proposed (for measurement and tests)."""
 
@@ -238,7 +316,9 @@ class Gate:
         """A plain step as the engine runs it: pipelined, the measured step (the time outside the
         pass overlaps the pass queued ahead, and observed steps include it); synchronous, the pass
         and then the time outside it."""
-        return self.costs.plain(context) + (0.0 if self.pipelined else self.outside_s)
+        if self.pipelined:
+            return self.costs.plain(context)
+        return self.costs.cost(1, context) + self.outside_s
 
     def _best(self, k_max: int, a: float, context: int, host: float) -> tuple[int, float]:
         plain = 1.0 / self._plain_s(context)
