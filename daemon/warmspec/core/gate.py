@@ -29,12 +29,15 @@ that the host time spent on fruitless proposals stays under ``HOST_SHARE`` of pl
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Callable
+
+log = logging.getLogger("warmspec.gate")
 
 # Lower edges of the confidence bins acceptance is estimated in, per source. For the n-gram
 # drafter they are match lengths 1, 2 (re-alignments), 3, 5, 9, 17 and 33 (agreement_confidence);
@@ -267,7 +270,12 @@ class PlainSteps:
         self.mean[ahead] = r if old is None else 0.9 * old + 0.1 * r
         self.count[ahead] += 1
         if min(self.count.values()) >= MIN_STEPS:
-            self.best = self.mean[True] < self.mean[False]
+            best = self.mean[True] < self.mean[False]
+            if best != self.best:
+                log.info("plain steps now run %s: %.3f a token pipelined, %.3f synchronous "
+                         "(x the one-position pass)", "pipelined" if best else "synchronously",
+                         self.mean[True], self.mean[False])
+            self.best = best
 
 
 class Gate:
