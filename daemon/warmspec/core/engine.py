@@ -476,8 +476,6 @@ class Engine:
         synced: float | None = None  # when the last synchronous plain step's token was read
         try:
             while True:
-                if steps is not None:
-                    self.gate.pipelined = steps.best  # plain steps are priced as they run
                 if ahead is None:
                     draft = self._drafts(drafter, run)
                     if draft.tokens or not greedy or first or (steps is not None and not steps.ahead()):
@@ -511,8 +509,6 @@ class Engine:
                 done, ahead = ahead, nxt  # before the yield: the consumer may stop there
                 yield Step([token], self._hidden(done.pass_, 1))
                 pending = token
-                if steps is not None:
-                    self.gate.pipelined = steps.best
                 draft = self._drafts(drafter, run)
                 if draft.tokens:  # they start with a guess of the token ahead's pass computes
                     step = self._verify(ahead, draft, run)
@@ -617,6 +613,7 @@ class Engine:
         if drafter is None or run.budget <= 1:
             return NO_DRAFT
         gate = self.gate
+        gate.pipelined = run.params.greedy and self.plain_steps.best  # priced as plain steps run
         if not gate.should_propose():
             return NO_DRAFT
         t = time.perf_counter()
