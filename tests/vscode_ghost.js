@@ -2,8 +2,9 @@
 // opens FILE, types TYPED at its end, waits for a ghost suggestion from the warmspec extension,
 // takes a screenshot, accepts it with Tab, saves, and prints one JSON line: {"ghost": ...}.
 //
-//   node vscode_ghost.js URL FILE TYPED SCREENSHOT PATH  (PATH: FILE on disk; PUPPETEER: the
-//                                                        puppeteer-core module path)
+//   node vscode_ghost.js URL FILE TYPED SCREENSHOT PATH DAEMONLOG  (PATH: FILE on disk;
+//     DAEMONLOG: the daemon's log, which says when the editor's language client is connected;
+//     PUPPETEER: the puppeteer-core module path)
 //
 // Every step waits for the state it needs (the cursor on the last line, the file saved as typed,
 // the suggestion still for 1.5 s) and checks what the editor did by reading the saved file.
@@ -11,7 +12,7 @@
 const fs = require('fs');
 const puppeteer = require(process.env.PUPPETEER);
 
-const [url, file, typed, screenshot, filePath] = process.argv.slice(2);
+const [url, file, typed, screenshot, filePath, daemonLog] = process.argv.slice(2);
 const GHOST = '.ghost-text-decoration, .ghost-text-decoration-preview, .ghost-text';
 
 function step(what) {
@@ -68,7 +69,16 @@ async function main() {
       { timeout: 30000 }, lastLine);
     await page.waitForFunction(() => document.activeElement && document.activeElement.closest('.monaco-editor'),
                                { timeout: 30000 });
-    step('typing');
+    // Keystrokes before the extension's language client is connected ask nothing (VS Code has no
+    // inline provider yet, and does not ask again once one registers): wait for the daemon to
+    // see the client's initialize, relayed by `warmspec lsp` (the client names itself after
+    // the editor build, "code-server"). Typing at once cost every run here a 30 s wait and a retype.
+    const connected = () => / initialized by (code-server|Visual Studio Code)/.test(fs.readFileSync(daemonLog, 'utf8'));
+    for (const end = Date.now() + 120000; !connected(); ) {
+      if (Date.now() > end) throw new Error('the language client did not connect to the daemon in 120 s');
+      await new Promise((r) => setTimeout(r, 200));
+    }
+    step('language client connected; typing');
     await page.keyboard.type(typed, { delay: 60 });
     const base = original + typed;
     const typedFile = await saved((t) => t === base);
@@ -77,15 +87,22 @@ async function main() {
       (sel) => [...document.querySelectorAll(sel)].map((e) => e.textContent).join(''), GHOST);
     // The ghost text can come and go while the server starts (the first request waits for the
     // model), and a streamed suggestion changes as it grows: wait until one has stayed the same
-    // for 1.5 s; if none shows within a while, retype the last character to ask again.
+    // for 1.5 s, within 15 s (a ghost that keeps vanishing once spun here until the test's
+    // timeout); if none settles, retype the last character to ask again. Every text seen is
+    // logged with its time, so a failure shows how the suggestion grew.
+    const t0 = Date.now();
     async function stableGhost() {
       await page.waitForFunction(
         (sel) => [...document.querySelectorAll(sel)].some((e) => e.textContent.trim().length > 0),
-        { timeout: 30000 }, GHOST);
+        { timeout: 15000 }, GHOST);
+      const end = Date.now() + 15000;
       let last = await ghostText();
+      step(`+${Date.now() - t0} ms ghost ${JSON.stringify(last)}`);
       for (let still = 0; still < 15; ) {
+        if (Date.now() > end) throw new Error(`the ghost text did not settle (last ${JSON.stringify(last)})`);
         await new Promise((r) => setTimeout(r, 100));
         const now = await ghostText();
+        if (now !== last) step(`+${Date.now() - t0} ms ghost ${JSON.stringify(now)}`);
         still = now === last && now.trim() ? still + 1 : 0;
         last = now;
       }
@@ -97,7 +114,7 @@ async function main() {
       try {
         ghost = await stableGhost();
       } catch (err) {
-        step(`no ghost text yet (attempt ${attempt + 1}); retyping the last character`);
+        step(`${err.message || err} (attempt ${attempt + 1}); retyping the last character`);
         await page.keyboard.press('Backspace');
         await page.keyboard.type(typed.slice(-1), { delay: 60 });
         continue;

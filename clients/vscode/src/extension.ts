@@ -136,6 +136,12 @@ async function start(): Promise<void> {
     await client.start();
   } catch (err) {
     vscode.window.showErrorMessage(`warmspec: ${errorText(err)}`);
+    return;
+  }
+  // Keystrokes made while the server started asked for nothing (VS Code had no inline provider
+  // yet, and it does not ask again once one registers): ask once where the user is typing.
+  if (ghost.typedWithin(3000)) {
+    void vscode.commands.executeCommand('editor.action.inlineSuggest.trigger');
   }
 }
 
@@ -286,7 +292,11 @@ function sleep(ms: number, token: vscode.CancellationToken): Promise<void> {
 let retriggering = false;
 let retriggerAgain = false;
 
-/** A partial arrived: ask VS Code to ask again (once at a time), if the editor is still there. */
+/** A partial arrived: ask VS Code to ask again (once at a time), if the editor is still there.
+ * Hidden first: VS Code fetches again only when what it fetched for changed (the document, the
+ * cursor, an automatic request turning explicit), so a second `trigger` at the same place did
+ * nothing. In code-server 4.139 the first partial showed and the rest of the suggestion never
+ * did: the ghost stayed " -" while the finished suggestion was " - b" (tests/test_vscode_real.py). */
 function retrigger(stream: GhostStream): void {
   const editor = vscode.window.activeTextEditor;
   const place = editor && placeOf(editor.document, editor.selection.active);
@@ -298,7 +308,11 @@ function retrigger(stream: GhostStream): void {
     return;
   }
   retriggering = true;
-  void vscode.commands.executeCommand('editor.action.inlineSuggest.trigger').then(() => {
+  const again = async () => {
+    await vscode.commands.executeCommand('editor.action.inlineSuggest.hide');
+    await vscode.commands.executeCommand('editor.action.inlineSuggest.trigger');
+  };
+  again().then(() => {
     retriggering = false;
     if (retriggerAgain) {
       retriggerAgain = false;

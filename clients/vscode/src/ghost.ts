@@ -132,6 +132,11 @@ export class GhostController {
     this.lastKey = now;
   }
 
+  /** Whether the user typed in the last `ms` milliseconds. */
+  typedWithin(ms: number, now: number = Date.now()): boolean {
+    return this.lastKey !== undefined && now - this.lastKey < ms;
+  }
+
   /** How long to wait before asking: the server's advice (or the configured debounce), but at
    * least 1.2x the user's median pause between keys, within [minMs, maxMs]. */
   debounceMs(): number {

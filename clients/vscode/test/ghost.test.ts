@@ -28,6 +28,14 @@ describe('ghost-text controller', () => {
     assert.equal(ghost.debounceMs(), 150);
   });
 
+  test('typedWithin: keystrokes made while the server started ask again once it is up', () => {
+    const { ghost } = controller();
+    assert.equal(ghost.typedWithin(3000, 0), false); // nothing typed yet: ask nothing
+    ghost.keystroke(1000);
+    assert.equal(ghost.typedWithin(3000, 3999), true);
+    assert.equal(ghost.typedWithin(3000, 4000), false);
+  });
+
   test('accepting a word, then the rest, then a new suggestion', () => {
     const { ghost, sent } = controller();
     ghost.showing('file:///a.py', 10, 'return x + 1', 7);
