@@ -57,7 +57,7 @@ def tools() -> dict[str, Path]:
     if not os.environ.get("WARMSPEC_REAL_VSCODE"):
         # Opt-in for its install: code-server and puppeteer-core from npm take ~5 minutes and
         # ~600 MB, a quarter of CI's time on a fresh machine. ./install.sh --test --vscode, then
-        # WARMSPEC_REAL_VSCODE=1 pytest tests/test_vscode_real.py (16 of 16 runs passed, ~30 s
+        # WARMSPEC_REAL_VSCODE=1 pytest tests/test_vscode_real.py (25 runs of 25 passed, ~30 s
         # each, once the driver waited for the language client and bounded its wait for a
         # suggestion that keeps changing: the stall seen before was that wait spinning forever).
         pytest.skip("a real VS Code test: set WARMSPEC_REAL_VSCODE=1 (after ./install.sh --test --vscode)")
