@@ -2,8 +2,11 @@
 # Measurements on the lent H200, one step per device call (a call has at most 10 minutes).
 #
 # Stage first (README "GPU"): ../shared/tools/stage-mlx-cuda.sh --model pygls lsprotocol msgspec
-# watchdog cattrs, four calls copying .gpu-a .. .gpu-d into /tmp/stage, the last running
-# assemble.sh. Then, per call:  sh bench/h200.sh STEP [STEP ...]
+# watchdog cattrs, then one call per folder copying .gpu-a .. .gpu-d into /tmp/stage, the last
+# running assemble.sh. A call carries at most 64 MiB with the working tree: with a 17 MB tree
+# .gpu-c (48 MB) did not fit, so its part was split in two (split -b 24000000 -a 1 -d
+# model.part.aa model.part.aa; the pieces sort before model.part.ab) and sent in two calls.
+# Then, per call:  sh bench/h200.sh STEP [STEP ...]
 #
 # Steps (the bench files are ../shared/bench's; on the device carry a copy as .gpu-bench/):
 #   smoke      a 32-token answer, plain and n-gram: the stack works
