@@ -15,6 +15,8 @@ const puppeteer = require(process.env.PUPPETEER);
 const [url, file, typed, screenshot, filePath, daemonLog] = process.argv.slice(2);
 const GHOST = '.ghost-text-decoration, .ghost-text-decoration-preview, .ghost-text';
 
+const pause = (ms) => new Promise((r) => setTimeout(r, ms));
+
 function step(what) {
   process.stderr.write(`vscode_ghost: ${what}\n`);
 }
@@ -56,7 +58,7 @@ async function main() {
       const end = Date.now() + ms;
       let text = fs.readFileSync(filePath, 'utf8');
       while (!until(text) && Date.now() < end) {
-        await new Promise((r) => setTimeout(r, 100));
+        await pause(100);
         text = fs.readFileSync(filePath, 'utf8');
       }
       return text;
@@ -76,7 +78,7 @@ async function main() {
     const connected = () => / initialized by (code-server|Visual Studio Code)/.test(fs.readFileSync(daemonLog, 'utf8'));
     for (const end = Date.now() + 120000; !connected(); ) {
       if (Date.now() > end) throw new Error('the language client did not connect to the daemon in 120 s');
-      await new Promise((r) => setTimeout(r, 200));
+      await pause(200);
     }
     step('language client connected; typing');
     await page.keyboard.type(typed, { delay: 60 });
@@ -100,7 +102,7 @@ async function main() {
       step(`+${Date.now() - t0} ms ghost ${JSON.stringify(last)}`);
       for (let still = 0; still < 15; ) {
         if (Date.now() > end) throw new Error(`the ghost text did not settle (last ${JSON.stringify(last)})`);
-        await new Promise((r) => setTimeout(r, 100));
+        await pause(100);
         const now = await ghostText();
         if (now !== last) step(`+${Date.now() - t0} ms ghost ${JSON.stringify(now)}`);
         still = now === last && now.trim() ? still + 1 : 0;
