@@ -98,6 +98,9 @@ class Checkpoint:
         drop = self.n_inputs - n_keep
         if drop == 0:
             return True
+        if n_keep == 0:  # the whole pass (one queued past the answer's end): as it was before it
+            self._restore_all()
+            return True
         recurrent = [i for i in self.snapshots if is_recurrent(self.layers[i])]
         if recurrent and self.tape is None:
             self._restore_all()

@@ -132,6 +132,27 @@ class _Ahead:
         self.pass_ = pass_
 
 
+class _Job:
+    """A verify pass queued on the device and not read back yet: what it was fed (``head``: the
+    last emitted token, or a plain pass queued ahead whose token is guessed by the draft's first),
+    the drafts after it, and its lazy result (greedy: the argmax of every position; sampled: the
+    processed distributions)."""
+
+    __slots__ = ("head", "pass_", "draft", "drafts", "guess", "q", "out", "queued", "overlapped")
+
+    def __init__(self, head: "int | _Ahead", pass_: Pass, draft: "Draft", drafts: list[int],
+                 guess: int | None, q: list | None, out: mx.array, queued: float, overlapped: bool):
+        self.head = head
+        self.pass_ = pass_
+        self.draft = draft
+        self.drafts = drafts
+        self.guess = guess
+        self.q = q
+        self.out = out
+        self.queued = queued  # when the pass was handed to the device
+        self.overlapped = overlapped  # queued before the consumer saw the previous step
+
+
 class Step(NamedTuple):
     """What one step emitted, and the target's hidden states at the positions that produced it
     (row i produced token i; None unless a drafter conditions on them)."""
@@ -415,7 +436,6 @@ class Engine:
             if drafter.wants_hidden:
                 self.target.tap_hidden()
         t0 = time.perf_counter()
-        eos = self.tokenizer.eos_ids
         self._last_read = None
         answer: list[int] = []
         passes = self._decode(prompt[-1], run, drafter)
@@ -423,19 +443,9 @@ class Engine:
             if cancelled is not None and cancelled():
                 run.finish_reason = "cancelled"
                 return
-            for new, hidden in passes:
-                end = next((i for i, t in enumerate(new) if t in eos), None)
-                new = new[: run.budget if end is None else min(end, run.budget)]
-                if end is not None and end <= run.budget:
-                    run.finish_reason = "stop"
-                    run.budget = 0
-                else:
-                    run.budget -= len(new)
-                run.stats.completion_tokens += len(new)
+            for new in passes:
                 run.stats.decode_s = time.perf_counter() - t0
                 if new:
-                    if drafter is not None:
-                        drafter.commit(new, None if hidden is None else hidden[: len(new)])
                     answer.extend(new)
                     yield new
                 if run.budget <= 0:
@@ -449,78 +459,142 @@ class Engine:
             self.live.checkpoint()  # the end of the answer: the next turn resends it
             self.recent.add(answer)
 
-    def _decode(self, pending: int, run: Run, drafter: Drafter | None) -> Iterator[Step]:
-        """The decode loop: yield what each step emits, for plain and speculative decoding.
+    def _emit(self, step: Step, run: Run, drafter: Drafter | None) -> list[int]:
+        """What a step emits: its tokens cut at end-of-sequence and at the budget (which reaches
+        0 when the answer ends), told to the drafter with their hidden states."""
+        new = step.tokens
+        end = next((i for i, t in enumerate(new) if t in self.tokenizer.eos_ids), None)
+        new = new[: run.budget if end is None else min(end, run.budget)]
+        if end is not None and end <= run.budget:
+            run.finish_reason = "stop"
+            run.budget = 0
+        else:
+            run.budget -= len(new)
+        run.stats.completion_tokens += len(new)
+        if new and drafter is not None:
+            drafter.commit(new, None if step.hidden is None else step.hidden[: len(new)])
+        return new
+
+    def _decode(self, pending: int, run: Run, drafter: Drafter | None) -> Iterator[list[int]]:
+        """The decode loop: yield what each step emits (``_emit``), for plain and speculative
+        decoding.
 
         While the drafter has nothing the gate will verify, greedy decoding is pipelined as
         mlx-lm's ``generate_step`` is: the next one-position pass is queued on the device before
         the current token is read back, so the device never idles while Python handles a token
         and proposes. On an H200 a step of the default model is a few milliseconds, most of it
         launch and host work: run synchronously, the gated-off steps made prose up to 26% slower
-        than plain decoding there. A proposal switches to verify passes (one synchronous
-        read-back each, since the next pass depends on how many drafts were accepted) and a
-        step without one switches back. Sampled plain steps stay synchronous: the sampler runs
-        on the host. On a CPU, whose cores run both the pass queued ahead and the host, whether
-        running ahead pays is measured in this loop (``PlainSteps``): a pass in flight when the
-        choice turns is read without queuing another behind it.
+        than plain decoding there. A proposal is verified in a pass queued on the still-unread
+        token (its first draft guesses that token).
 
-        The answer's first token comes from a synchronous pass: with the second pass queued
-        behind it, reading it back waited for both on a CPU, whose cores run the two (the first
-        token of a ghost-text request took a median of 258 ms on this 2-core VM, one pass 141
-        ms; now 147 ms). From the second token on, the pipeline runs as before.
+        Verify passes are pipelined too, where plain steps are: once a pass is read back, its
+        tokens are told to the drafter, the next step is proposed and its pass queued, and only
+        then does the consumer get the tokens (detokenizing, streaming, stop strings), so the
+        device computes while the host handles them. Read back synchronously, a verify step
+        paid that host time on top of its pass while a pipelined plain step hid it: on an H200
+        public prose drafted 1.54 tokens a pass and ran 1.02x plain (prose-05, h200-s23).
+
+        On a CPU, whose cores run both the pass queued ahead and the host, whether running ahead
+        pays is measured in this loop (``PlainSteps``), and verify passes are queued early only
+        where plain steps run ahead. A pass in flight when the choice turns is read without
+        queuing another behind it. Sampled plain steps are verify passes without drafts (the
+        sampler runs on the host), pipelined on a GPU.
+
+        The answer's first token comes from a synchronous pass and reaches the consumer before a
+        pass is queued behind it: with the second pass queued behind it, reading it back waited
+        for both on a CPU, whose cores run the two (the first token of a ghost-text request took
+        a median of 258 ms on this 2-core VM, one pass 141 ms; now 147 ms).
         """
         greedy = run.params.greedy
         steps = self.plain_steps if drafter is not None and greedy else None
-        ahead: _Ahead | None = None  # a plain pass in flight, queued before its input was read
-        first = True  # the answer's first token is read before a pass is queued behind it
+        queued: _Ahead | _Job | None = None  # a pass in flight, not read back yet
+        sync_plain = False  # the next step was decided: a synchronous plain step
+        first = True
         synced: float | None = None  # when the last synchronous plain step's token was read
         try:
             while True:
-                if ahead is None:
-                    draft = self._drafts(drafter, run)
-                    if draft.tokens or not greedy or first or (steps is not None and not steps.ahead()):
-                        first = False
-                        step = self._verify(pending, draft, run)
-                        out = time.perf_counter()
-                        if steps is not None:
-                            if synced is not None and not draft.tokens:
-                                steps.observe(False, out - synced, len(self.cache_tokens))
-                            synced = None if draft.tokens else out
-                        yield step
-                        if drafter is not None:
-                            self.gate.observe_outside(time.perf_counter() - out)
-                        pending = step.tokens[-1]
-                        continue
-                    ahead = self._queue(mx.array([pending]), pending)
-                elif steps is not None and not steps.ahead():
-                    # back to synchronous steps: read the pass in flight, queue none behind it
-                    token = self._commit(ahead, run)
-                    synced = time.perf_counter()
-                    done, ahead = ahead, None
-                    yield Step([token], self._hidden(done.pass_, 1))
-                    pending = token
-                    continue
-                nxt = self._queue(ahead.y, None)  # on the device before ahead's token is read
-                last = self._last_read
-                token = self._commit(ahead, run)
-                if steps is not None and last is not None:
-                    steps.observe(True, self._last_read - last, len(self.cache_tokens))
-                nxt.fed = token
-                done, ahead = ahead, nxt  # before the yield: the consumer may stop there
-                yield Step([token], self._hidden(done.pass_, 1))
-                pending = token
-                draft = self._drafts(drafter, run)
-                if draft.tokens:  # they start with a guess of the token ahead's pass computes
-                    step = self._verify(ahead, draft, run)
-                    ahead = None
+                # 1. this step's tokens: read the pass in flight, else run one now
+                verified = False  # a pass read synchronously: it pays the time outside it
+                if isinstance(queued, _Job):
+                    job, queued = queued, None
+                    step = self._finish(job, run)
                     synced = None
+                    verified = not job.overlapped
+                elif isinstance(queued, _Ahead):
+                    if steps is not None and not steps.ahead():
+                        # back to synchronous steps: read the pass in flight, queue none behind it
+                        token = self._commit(queued, run)
+                        synced = time.perf_counter()
+                        done, queued = queued, None
+                    else:
+                        nxt = self._queue(queued.y, None)  # on the device before queued's token is read
+                        last = self._last_read
+                        token = self._commit(queued, run)
+                        if steps is not None and last is not None:
+                            steps.observe(True, self._last_read - last, len(self.cache_tokens))
+                        nxt.fed = token
+                        done, queued = queued, nxt  # before the yield: the consumer may stop there
+                    step = Step([token], self._hidden(done.pass_, 1))
+                else:
+                    draft = NO_DRAFT if sync_plain else self._drafts(drafter, run, False)
+                    if not (sync_plain or draft.tokens or not greedy or first or
+                            (steps is not None and not steps.ahead())):
+                        queued = self._queue(mx.array([pending]), pending)
+                        continue
+                    sync_plain = False
+                    step = self._finish(self._start(pending, draft, run, False), run)
+                    verified = True
                     out = time.perf_counter()
-                    yield step
-                    self.gate.observe_outside(time.perf_counter() - out)
-                    pending = step.tokens[-1]
+                    if steps is not None:
+                        if synced is not None and not draft.tokens:
+                            steps.observe(False, out - synced, len(self.cache_tokens))
+                        synced = None if draft.tokens else out
+                # 2. what it emits, told to the drafter
+                new = self._emit(step, run, drafter)
+                if run.budget <= 0:
+                    yield new
+                    return
+                pending = step.tokens[-1]
+                # 3. the next pass, queued before the consumer gets these tokens where that pays
+                early = not first and self._overlap(steps)
+                first = False
+                if early:
+                    queued, sync_plain = self._next(queued, pending, run, drafter, steps)
+                t = time.perf_counter()
+                yield new
+                if verified and drafter is not None:
+                    self.gate.observe_outside(time.perf_counter() - t)
+                if not early and isinstance(queued, _Ahead):
+                    queued, sync_plain = self._next(queued, pending, run, drafter, steps)
         finally:
-            if ahead is not None:  # the pass queued ahead fed a token past the answer's end
-                self.target.keep(ahead.pass_, 0, self.cache)
+            if isinstance(queued, _Job):  # a pass queued past the answer's end: undo it
+                self.target.keep(queued.pass_, 0, self.cache)
+                queued = queued.head
+            if isinstance(queued, _Ahead):
+                self.target.keep(queued.pass_, 0, self.cache)
+
+    def _overlap(self, steps: PlainSteps | None) -> bool:
+        """Whether the next pass is queued before the consumer gets a step's tokens: where plain
+        steps run ahead (``PlainSteps``), and always on a GPU."""
+        if steps is not None:
+            return steps.best
+        return mx.default_device().type != mx.DeviceType.cpu
+
+    def _next(self, queued: "_Ahead | None", pending: int, run: Run, drafter: Drafter | None,
+              steps: PlainSteps | None) -> "tuple[_Ahead | _Job | None, bool]":
+        """Propose after ``pending`` and queue the pass that verifies it: on a plain pass in flight
+        (``queued``, whose token the draft's first guesses), else on ``pending``; with nothing to
+        verify, a plain pass ahead (or, where plain steps run synchronously now, nothing queued
+        and True: the next step is a synchronous plain one, already decided)."""
+        overlapped = self._overlap(steps)
+        draft = self._drafts(drafter, run, overlapped)
+        if isinstance(queued, _Ahead):
+            return (self._start(queued, draft, run, overlapped) if draft.tokens else queued), False
+        if draft.tokens or not run.params.greedy:
+            return self._start(pending, draft, run, True), False
+        if steps is None or steps.ahead():
+            return self._queue(mx.array([pending]), pending), False
+        return None, True
 
     def _drafter(self, prompt: list[int], sources: Sequence[Source], prediction: Sequence[int],
                  params: SamplingParams) -> Drafter:
@@ -606,14 +680,16 @@ class Engine:
         self.live.tokens.append(ahead.fed)
         return token
 
-    def _drafts(self, drafter: Drafter | None, run: Run) -> Draft:
+    def _drafts(self, drafter: Drafter | None, run: Run, overlapped: bool) -> Draft:
         """What to verify after the last emitted token, by the gate (no tokens: a plain step).
-        The drafter's and gate's host time is measured for the gate:
-        on a device where a step takes milliseconds it is part of what drafting costs."""
+        ``overlapped``: the pass will be queued before the consumer handles the last step. The
+        drafter's and gate's host time is measured for the gate: on a device where a step takes
+        milliseconds it is part of what drafting costs."""
         if drafter is None or run.budget <= 1:
             return NO_DRAFT
         gate = self.gate
         gate.pipelined = run.params.greedy and self.plain_steps.best  # priced as plain steps run
+        gate.overlapped = overlapped
         if not gate.should_propose():
             return NO_DRAFT
         t = time.perf_counter()
@@ -697,9 +773,8 @@ class Engine:
             self.live.checkpoint()  # the end of the prompt: where the next turn usually diverges
         return True
 
-    def _verify(self, head: int | _Ahead, draft: Draft, run: Run) -> Step:
-        """One pass: verify ``head`` + drafts; emit the accepted drafts + the next token (no
-        drafts: a plain step).
+    def _start(self, head: int | _Ahead, draft: Draft, run: Run, overlapped: bool) -> _Job:
+        """Queue one pass verifying ``head`` + drafts (no drafts: a plain step); ``_finish`` reads it.
 
         ``head`` is the last emitted token, or a pass queued ahead whose token is not read yet:
         then ``drafts[0]`` guesses that token and the pass is queued on it unread, so the device
@@ -718,27 +793,38 @@ class Engine:
             x = mx.array([head, *drafts])
         t = time.perf_counter()
         p = self.target.verify(x, self.cache)
-        params = run.params
+        out = mx.argmax(p.logits, axis=-1) if run.params.greedy else probabilities(p.logits, run.params)
+        mx.async_eval(out) if p.hidden is None else mx.async_eval(out, p.hidden)
+        return _Job(head, p, draft, drafts, guess, q, out, t, overlapped)
+
+    def _finish(self, job: _Job, run: Run) -> Step:
+        """Read a queued verify pass back: emit the accepted drafts + the next token, and roll
+        every cache back past the rest."""
+        head, p, drafts, guess = job.head, job.pass_, job.drafts, job.guess
+        t = job.queued
         if guess is not None:
             pending = self._commit(head, run)
-            t = time.perf_counter()  # a pass queued ahead is timed from its head's read
+            # a synchronous pass queued ahead is timed from its head's read; an overlapped one is
+            # not timed (both passes ran while the consumer worked: no width can be told apart)
+            t = None if job.overlapped else time.perf_counter()
         else:
             pending = head
         hit = guess is None or guess == pending
-        if params.greedy:
-            targets = mx.argmax(p.logits, axis=-1).tolist()
+        if run.params.greedy:
+            targets = job.out.tolist()
             n = 0
             if hit:
                 while n < len(drafts) and drafts[n] == targets[n]:
                     n += 1
             nxt = targets[n]
         else:
-            n, nxt = verify_sampled(probabilities(p.logits, params), drafts, run.rng, q)
+            n, nxt = verify_sampled(job.out, drafts, run.rng, job.q)
         self._last_read = None
         run.stats.passes += 1
         inputs = [pending, *drafts]
         run.stats.passes += self.target.keep(p, n + 1, self.cache, inputs[: n + 1])
         if drafts or guess is not None:
+            draft = job.draft
             drafted = len(drafts) + (guess is not None)
             accepted = (n + (guess is not None)) if hit else 0
             self.gate.observe(draft.confidence, drafted, accepted, source=draft.source)
@@ -746,9 +832,9 @@ class Engine:
             run.stats.draft_passes += 1
             run.stats.drafted += drafted
             run.stats.accepted += accepted
-        if self._costs is not None and self.observe_costs:
+        if self._costs is not None and self.observe_costs and t is not None:
             # the whole step, rollback and bookkeeping included: what drafting costs over a plain
-            # step
+            # step (overlapped: from the pass's queuing, with the consumer's work it overlapped)
             self._costs.observe(1 + len(drafts), len(self.cache_tokens), time.perf_counter() - t)
         self.live.tokens.extend(inputs[: n + 1])
         out = [*drafts[:n], nxt]

@@ -292,6 +292,9 @@ class Gate:
         self.host_source: dict[str, float] = {}  # a source's own proposing time (decayed mean)
         self.outside_s = 0.0  # per verify step, the time spent outside the pass (decayed mean)
         self.pipelined = False  # plain steps run ahead of the host (then their cost includes it)
+        # verify passes are queued before the consumer handles the previous step (then the time
+        # outside the pass overlaps the pass, and their observed cost includes it)
+        self.overlapped = False
         self.source_rate: dict[str, float] = {}  # per-token acceptance of a source, all bins
         self.unasked: dict[str, int] = {}  # steps a source was not asked since it last was (probes)
         self.skip = 0  # steps left to pass without proposing
@@ -326,16 +329,22 @@ class Gate:
         and then the time outside it."""
         if self.pipelined:
             return self.costs.plain(context)
-        return self.costs.cost(1, context) + self.outside_s
+        return self.costs.cost(1, context) + self._outside()
+
+    def _outside(self) -> float:
+        """What a step pays on top of its pass for the time outside it: nothing where the pass is
+        queued before the consumer's work, which it overlaps."""
+        return 0.0 if self.overlapped else self.outside_s
 
     def _best(self, k_max: int, a: float, context: int, host: float) -> tuple[int, float]:
         plain = 1.0 / self._plain_s(context)
         best_k, best = 0, plain * MARGIN
         expected, term = 1.0, 1.0
+        outside = self._outside()
         for k in range(1, k_max + 1):
             term *= a
             expected += term
-            v = expected / (self.costs.cost(1 + k, context) + host + self.outside_s)
+            v = expected / (self.costs.cost(1 + k, context) + host + outside)
             if v > best:
                 best_k, best = k, v
         return best_k, best if best_k else plain
