@@ -70,6 +70,31 @@ def test_hybrid_rollback_both_ways(rollback):
         assert engine.replays > 0
 
 
+@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
+def test_a_whole_pass_is_undone_on_every_cache_kind(arch):
+    """A pass queued past the answer's end is undone whole (``keep(pass, 0)``): every cache is as
+    it was before it, including recurrent states captured per position (whose last captured
+    state is the one after the pass) and sliding windows that wrapped."""
+    from warmspec.core.target import Target
+    from mlx_lm.models.cache import make_prompt_cache
+    import mlx.core as mx
+
+    lm = tiny.build(arch)
+    engine = Engine(lm, costs=CostTable(CHEAP.points))
+    target = Target(lm.model, capture=engine.capture)
+    cache = make_prompt_cache(lm.model)
+    lm.model(mx.array([list(range(3, 40))]), cache=cache)
+    p = target.verify(mx.array([5, 6, 7, 8, 9]), cache)
+    mx.eval(p.logits)
+    assert target.keep(p, 0, cache) == 0 and offset(cache) == 37
+    # the cache goes on as if the pass never was
+    fresh = make_prompt_cache(lm.model)
+    lm.model(mx.array([list(range(3, 40))]), cache=fresh)
+    want = lm.model(mx.array([[11, 12]]), cache=fresh)
+    got = lm.model(mx.array([[11, 12]]), cache=cache)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
 def test_capture_only_where_mlx_lm_skips_its_fused_kernel(monkeypatch):
     """On Metal mlx-lm runs GatedDeltaNet through a fused kernel (key heads a multiple of 32),
     which the per-position capture cannot reproduce bit for bit: replay there."""
