@@ -74,10 +74,21 @@ class MtpDrafter:
         hidden = mx.concatenate(self._hidden)[None]
         tokens = mx.array([self._tokens])
         self._hidden, self._tokens = [], []
-        drafted, q, first = self.head.draft(hidden, tokens, self.cache, k, self.params, self.rng)
+        if self.params.greedy:  # left on the device: the verify pass reads them back with its own
+            drafted = self.head.draft_lazy(hidden, tokens, self.cache, k)
+            proposal = Proposal(tokens=[], confidence=LAZY_CONFIDENCE, source=self.source, device=drafted)
+        else:
+            drafted, q, first = self.head.draft(hidden, tokens, self.cache, k, self.params, self.rng)
+            proposal = Proposal(tokens=drafted, confidence=first, source=self.source, q=q)
         if self.gate is not None:
             self.gate.observe_source(self.source, time.perf_counter() - t)
-        return Proposal(tokens=drafted, confidence=first, source=self.source, q=q)
+        return proposal
+
+
+# Greedy head drafts stay on the device, so their first token's probability is not known when
+# the gate decides; the head is judged by its acceptance over all its proposals (``Gate.depth``),
+# and its proposals are binned together, at the prior's confidence.
+LAZY_CONFIDENCE = 0.5
 
 
 class DraftModelDrafter:
@@ -142,7 +153,7 @@ class CombinedDrafter:
             best = n if kn else None
         m = self.mtp.propose(k)  # asks the gate how deep, or whether at all
         if m is not None:
-            km, v = gate.value(len(m.tokens), m.confidence, ctx, source=m.source)
+            km, v = gate.value(m.width, m.confidence, ctx, source=m.source)
             if best is None or v > best_value:
                 best = m
         return best if best is not None else (n or m)

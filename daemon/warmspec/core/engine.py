@@ -109,12 +109,18 @@ class Run:
 
 class Draft(NamedTuple):
     """Tokens to verify in the next pass, the drafter's confidence, their source and, when they
-    were sampled, their distributions."""
+    were sampled, their distributions; or the tokens still on the device (``device``: the verify
+    pass is queued on them, and ``tokens`` stays empty until it is read back)."""
 
     tokens: list[int]
     confidence: float = 0.0
     source: str = ""
     q: list | None = None
+    device: mx.array | None = None
+
+    @property
+    def width(self) -> int:
+        return len(self.tokens) if self.device is None else int(self.device.shape[0])
 
 
 NO_DRAFT = Draft([])
@@ -537,7 +543,7 @@ class Engine:
                     step = Step([token], self._hidden(done.pass_, 1))
                 else:
                     draft = NO_DRAFT if sync_plain else self._drafts(drafter, run, False)
-                    if not (sync_plain or draft.tokens or not greedy or first or
+                    if not (sync_plain or draft.width or not greedy or first or
                             (steps is not None and not steps.ahead())):
                         queued = self._queue(mx.array([pending]), pending)
                         continue
@@ -546,9 +552,9 @@ class Engine:
                     verified = True
                     out = time.perf_counter()
                     if steps is not None:
-                        if synced is not None and not draft.tokens:
+                        if synced is not None and not draft.width:
                             steps.observe(False, out - synced, len(self.cache_tokens))
-                        synced = None if draft.tokens else out
+                        synced = None if draft.width else out
                 # 2. what it emits, told to the drafter
                 new = self._emit(step, run, drafter)
                 if run.budget <= 0:
@@ -589,8 +595,8 @@ class Engine:
         overlapped = self._overlap(steps)
         draft = self._drafts(drafter, run, overlapped)
         if isinstance(queued, _Ahead):
-            return (self._start(queued, draft, run, overlapped) if draft.tokens else queued), False
-        if draft.tokens or not run.params.greedy:
+            return (self._start(queued, draft, run, overlapped) if draft.width else queued), False
+        if draft.width or not run.params.greedy:
             return self._start(pending, draft, run, True), False
         if steps is None or steps.ahead():
             return self._queue(mx.array([pending]), pending), False
@@ -695,7 +701,10 @@ class Engine:
         t = time.perf_counter()
         proposal = drafter.propose(min(self.max_draft, run.budget - 1))
         k = 0
-        if proposal is not None:
+        if proposal is not None and proposal.device is not None:
+            # on the device: its depth was the gate's choice (``Gate.depth``), made before drafting
+            k = proposal.width
+        elif proposal is not None:
             # nothing after an end-of-sequence token can be emitted: don't verify it
             eos = self.tokenizer.eos_ids
             available = next((i + 1 for i, tok in enumerate(proposal.tokens) if tok in eos),
@@ -710,6 +719,8 @@ class Engine:
         gate.observe_host(spent, drafting=k > 0, context=len(self.cache_tokens))
         if not k:
             return NO_DRAFT
+        if proposal.device is not None:
+            return Draft([], proposal.confidence, proposal.source, None, proposal.device)
         q = proposal.q[:k] if proposal.q is not None else None
         return Draft(proposal.tokens[:k], proposal.confidence, proposal.source, q)
 
@@ -781,26 +792,34 @@ class Engine:
         goes straight from one pass to the next; a wrong guess rejects every draft, and the
         model's token after the real one is still right.
         """
-        drafts, q = draft.tokens, draft.q
+        drafts, q, device = draft.tokens, draft.q, draft.device
         guess = None
         if isinstance(head, _Ahead):
-            guess, drafts = drafts[0], drafts[1:]
-            q = q[1:] if q is not None else None
             first = head.y.reshape(1)
-            x = mx.concatenate([first, mx.array(drafts, dtype=first.dtype)]) if drafts else first
+            if device is not None:
+                x = mx.concatenate([first, device[1:].astype(first.dtype)])
+            else:
+                guess, drafts = drafts[0], drafts[1:]
+                q = q[1:] if q is not None else None
+                x = mx.concatenate([first, mx.array(drafts, dtype=first.dtype)]) if drafts else first
         else:
             self._last_read = None
-            x = mx.array([head, *drafts])
+            x = (mx.concatenate([mx.array([head], dtype=device.dtype), device]) if device is not None
+                 else mx.array([head, *drafts]))
         t = time.perf_counter()
         p = self.target.verify(x, self.cache)
         out = mx.argmax(p.logits, axis=-1) if run.params.greedy else probabilities(p.logits, run.params)
-        mx.async_eval(out) if p.hidden is None else mx.async_eval(out, p.hidden)
+        mx.async_eval(*(a for a in (out, p.hidden, device) if a is not None))
         return _Job(head, p, draft, drafts, guess, q, out, t, overlapped)
 
     def _finish(self, job: _Job, run: Run) -> Step:
         """Read a queued verify pass back: emit the accepted drafts + the next token, and roll
         every cache back past the rest."""
         head, p, drafts, guess = job.head, job.pass_, job.drafts, job.guess
+        if job.draft.device is not None:  # read back with the pass
+            drafts = job.draft.device.tolist()
+            if isinstance(head, _Ahead):
+                guess, drafts = drafts[0], drafts[1:]
         t = job.queued
         if guess is not None:
             pending = self._commit(head, run)

@@ -351,22 +351,37 @@ class MTPHead(nn.Module):
         self.rewind(cache, keep)
         return drafted, qs, first
 
-    def _draft_greedy(self, row: mx.array, g: mx.array, cache: list[Any], k: int) -> tuple[list[int], float]:
-        """Greedy drafts 1..k as one graph, read back once: each depth feeds its argmax (mapped to
-        a target id on the device) to the next without a host round trip. Reading each depth's
-        token back cost a device sync per depth; on an H200 that made the head's proposals cost
-        more than the passes they saved (ngram+mtp 1.20x plain on the public prose, where n-gram
-        alone ran 1.89x)."""
+    def draft_lazy(self, hidden: mx.array, tokens: mx.array, cache: list[Any], k: int) -> mx.array:
+        """Greedy ``draft`` left on the device: the (k,) target ids, not computed yet. The verify
+        pass is queued on them and reads them back with its own result (see ``Proposal.device``):
+        one round trip a step instead of two."""
+        keep = self.offset(cache) + tokens.shape[1]
+        logits, g = self(hidden, tokens, cache)
+        out = self._greedy_ids(logits[0, -1], g[:, -1:], cache, k)
+        self.rewind(cache, keep)
+        return out
+
+    def _greedy_ids(self, row: mx.array, g: mx.array, cache: list[Any], k: int) -> mx.array:
+        """Greedy drafts 1..k as one graph: each depth feeds its argmax (mapped to a target id on
+        the device) to the next without a host round trip. Reading each depth's token back cost
+        a device sync per depth; on an H200 that made the head's proposals cost more than the
+        passes they saved (ngram+mtp 1.20x plain on the public prose, where n-gram alone ran
+        1.89x)."""
         ids = []
         best = mx.argmax(row)
-        top = mx.softmax(row.astype(mx.float32))[best]  # the gate's confidence
         for j in range(k):
             tok = best if self._vocab is None else self._vocab[best]
             ids.append(tok)
             if j + 1 < k:
                 logits, g = self(g, tok.reshape(1, 1), cache)
                 best = mx.argmax(logits[0, -1])
-        out = mx.stack(ids)
+        return mx.stack(ids)
+
+    def _draft_greedy(self, row: mx.array, g: mx.array, cache: list[Any], k: int) -> tuple[list[int], float]:
+        """Greedy drafts 1..k read back once, with the head's probability of the first (the
+        gate's confidence)."""
+        top = mx.softmax(row.astype(mx.float32))[mx.argmax(row)]
+        out = self._greedy_ids(row, g, cache, k)
         mx.eval(out, top)
         return [int(t) for t in out.tolist()], float(top.item())
 
