@@ -14,11 +14,17 @@
 #   q4edits    edits-public.jsonl, 4-bit
 #   f32prose   prose-public.jsonl + bench/prose-own.jsonl, --repeat 3, float32
 #   q4prose    prose-public.jsonl + bench/prose-own-12.jsonl, --repeat 3, 4-bit
+#   pubprose   prose-public.jsonl, --repeat 3, float32
+#   ownprose   bench/prose-own.jsonl, --repeat 3, float32
+#   q4pubprose prose-public.jsonl, --repeat 3, 4-bit
 # Environment: BUDGET (seconds per step, default 540: the step is cut and its results so far
 # kept), LIMIT (first N cases of each file), PIN (taskset cores, default 2-9: the host is shared),
-# EXTRA (more bench arguments). Results go to $OUT/STEP/.
+# EXTRA (more bench arguments), CODE (the checkout whose daemon/ and protocol/ run, default this
+# one: an earlier commit's, carried, for a side by side in one lease), TAG (appended to the
+# step's folder). Results go to $OUT/STEP$TAG/ (the plot is left out: a call brings 8 files back).
 set -eu
-export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/protocol
+code=${CODE:-$PWD}
+export PYTHONPATH=/tmp/site:$code/daemon:$code/protocol
 export WARMSPEC_CACHE=${WARMSPEC_CACHE:-/tmp/wcache}
 mkdir -p "$WARMSPEC_CACHE/models"
 [ -f "$WARMSPEC_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf" ] ||
@@ -30,7 +36,7 @@ pin=${PIN:-2-9}
 limit=${LIMIT:+--limit $LIMIT}
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader || true
 for step in "$@"; do
-  out=$OUT/$step
+  out=$OUT/$step${TAG:-}
   mkdir -p "$out"
   case $step in
     smoke)    args="$shared/prose-public.jsonl --limit 1 --max-tokens-cap 32" ;;
@@ -38,6 +44,9 @@ for step in "$@"; do
     q4edits)  args="$shared/edits-public.jsonl --weights quantized" ;;
     f32prose) args="$shared/prose-public.jsonl bench/prose-own.jsonl --repeat 3 --weights float32" ;;
     q4prose)  args="$shared/prose-public.jsonl bench/prose-own-12.jsonl --repeat 3 --weights quantized" ;;
+    pubprose) args="$shared/prose-public.jsonl --repeat 3 --weights float32" ;;
+    ownprose) args="bench/prose-own.jsonl --repeat 3 --weights float32" ;;
+    q4pubprose) args="$shared/prose-public.jsonl --repeat 3 --weights quantized" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
   echo "== $step: warmspec bench $args $limit ${EXTRA:-}"
@@ -46,5 +55,6 @@ for step in "$@"; do
   timeout "$budget" taskset -c "$pin" python3 -m warmspec bench $args $limit ${EXTRA:-} --out "$out" \
     > "$out/log.txt" 2>&1 || echo "$step stopped: rc $? (results so far kept)"
   echo "$step took $(( $(date +%s) - start )) s"
-  tail -n 30 "$out/log.txt"
+  rm -f "$out/speedup.png"
+  tail -n 12 "$out/log.txt"
 done
