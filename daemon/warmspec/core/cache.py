@@ -91,6 +91,10 @@ class Checkpoint:
             elif isinstance(c, RotatingKVCache):
                 # new handles: a one-position update writes the buffer in place
                 self.snapshots[i] = (_copy(c.keys), _copy(c.values), c.offset, c._idx)
+            elif isinstance(c, ChunkedKVCache):
+                # a pass may drop positions from the front (``maybe_trim_front``) counting the
+                # positions of a pass before it that is then cut: undone whole, it is restored
+                self.snapshots[i] = (_copy(c.keys), _copy(c.values), c.offset, c.start_position)
 
     def rollback(self, n_keep: int) -> bool:
         """Drop the last ``n_inputs - n_keep`` positions. False: the caller must replay
@@ -123,6 +127,8 @@ class Checkpoint:
                 c.cache = list(self.snapshots[i])
             elif isinstance(c, RotatingKVCache):
                 c.keys, c.values, c.offset, c._idx = self.snapshots[i]
+            elif isinstance(c, ChunkedKVCache):
+                c.keys, c.values, c.offset, c.start_position = self.snapshots[i]
             else:
                 c.trim(self.n_inputs)
 
