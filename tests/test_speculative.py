@@ -292,30 +292,6 @@ def test_pipelined_plain_steps_between_drafts_exact_every_cache_kind(arch):
     assert again == plain[:40]
 
 
-@pytest.mark.parametrize("arch", list(tiny.CONFIGS))
-def test_a_pass_chained_behind_each_verify_pass_is_exact_every_cache_kind(arch):
-    """On a GPU a plain pass is queued behind each greedy verify pass, on its last position's
-    token (what follows when every draft is accepted), so that the host builds it while the
-    device verifies. Kept when every draft was accepted, undone first when one was not: the
-    tokens are plain's on every cache kind, both outcomes happen, and the engine's next request
-    is right too."""
-    lm = tiny.build(arch)
-    prompt = np.random.default_rng(9).integers(0, tiny.VOCAB, 20).tolist()
-    plain, _ = decode(lm, prompt, 90)
-    for seed in range(2):
-        engine = Engine(lm, speculate=True, costs=CostTable(PIPELINED.points, PIPELINED.plain_points),
-                        gated=False, chain=True)
-        if seed:
-            engine._plain_steps = Flipping(seed)
-        spec, stats = decode(lm, prompt, 90, drafter=Intermittent(prompt, plain), speculate=True,
-                             engine=engine)
-        assert spec == plain
-        kept = stats.draft_passes - stats.wasted
-        assert stats.wasted > 0 and kept > 0, (stats.wasted, stats.draft_passes)
-        again, _ = decode(lm, prompt, 40, engine=engine)
-        assert again == plain[:40]
-
-
 class Flipping:
     """Plain steps of both kinds in a random order, and verify passes queued before or after the
     consumer's turn (``best``) in another, to check every switch between them."""

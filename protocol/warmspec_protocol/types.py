@@ -97,7 +97,6 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
     accepted: int = 0
     gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
     draft_s: float = 0.0  # host time spent proposing: the drafters' share of decode_s
-    wasted: int = 0  # passes queued behind a verify pass that then rejected a draft (undone)
     # per depth (draft position 1, 2, ...): drafts verified there and accepted there
     drafted_at: list[int] = []
     accepted_at: list[int] = []

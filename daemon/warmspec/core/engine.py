@@ -142,11 +142,9 @@ class _Job:
     """A verify pass queued on the device and not read back yet: what it was fed (``head``: the
     last emitted token, or a plain pass queued ahead whose token is guessed by the draft's first),
     the drafts after it, and its lazy result (greedy: the argmax of every position; sampled: the
-    processed distributions). ``ahead``: a one-position pass queued behind it on the token that
-    follows when every draft is accepted (``Engine.chain``), kept only if they all are."""
+    processed distributions)."""
 
-    __slots__ = ("head", "pass_", "draft", "drafts", "guess", "q", "out", "queued", "overlapped",
-                 "ahead")
+    __slots__ = ("head", "pass_", "draft", "drafts", "guess", "q", "out", "queued", "overlapped")
 
     def __init__(self, head: "int | _Ahead", pass_: Pass, draft: "Draft", drafts: list[int],
                  guess: int | None, q: list | None, out: mx.array, queued: float, overlapped: bool):
@@ -159,7 +157,6 @@ class _Job:
         self.out = out
         self.queued = queued  # when the pass was handed to the device
         self.overlapped = overlapped  # queued before the consumer saw the previous step
-        self.ahead: _Ahead | None = None
 
 
 class Step(NamedTuple):
@@ -190,7 +187,6 @@ class Engine:
         mtp: "MTPHead | None" = None,
         draft_model: "DraftModel | None" = None,
         drafting: str | None = None,
-        chain: bool | None = None,
     ):
         self.lm = lm
         self._model = lm.model
@@ -235,9 +231,6 @@ class Engine:
         self._last_read: float | None = None  # when the last pipelined token was read
         self._proposing_s = 0.0  # host time spent proposing since then
         self.recent = RecentAnswers(min_n=min_n)  # earlier answers, drafted from
-        # Queue a plain pass behind each greedy verify pass, on the token that follows when every
-        # draft is accepted (see ``_decode``); None: on a GPU, not on a CPU.
-        self.chain = mx.default_device().type != mx.DeviceType.cpu if chain is None else chain
 
     @property
     def costs(self) -> CostTable:
@@ -529,9 +522,8 @@ class Engine:
                 # 1. this step's tokens: read the pass in flight, else run one now
                 verified = False  # a pass read synchronously: it pays the time outside it
                 if isinstance(queued, _Job):
-                    job = queued
+                    job, queued = queued, None
                     step = self._finish(job, run)
-                    queued = job.ahead  # a pass in flight on the step's last token, or None
                     synced = None
                     verified = not job.overlapped
                 elif isinstance(queued, _Ahead):
@@ -582,8 +574,6 @@ class Engine:
                     queued, sync_plain = self._next(queued, pending, run, drafter, steps)
         finally:
             if isinstance(queued, _Job):  # a pass queued past the answer's end: undo it
-                if queued.ahead is not None:
-                    self.target.keep(queued.ahead.pass_, 0, self.cache)
                 self.target.keep(queued.pass_, 0, self.cache)
                 queued = queued.head
             if isinstance(queued, _Ahead):
@@ -820,10 +810,7 @@ class Engine:
         p = self.target.verify(x, self.cache)
         out = mx.argmax(p.logits, axis=-1) if run.params.greedy else probabilities(p.logits, run.params)
         mx.async_eval(*(a for a in (out, p.hidden, device) if a is not None))
-        job = _Job(head, p, draft, drafts, guess, q, out, t, overlapped)
-        if self.chain and overlapped and run.params.greedy:
-            job.ahead = self._queue(out[-1], None)
-        return job
+        return _Job(head, p, draft, drafts, guess, q, out, t, overlapped)
 
     def _finish(self, job: _Job, run: Run) -> Step:
         """Read a queued verify pass back: emit the accepted drafts + the next token, and roll
@@ -853,13 +840,6 @@ class Engine:
             n, nxt = verify_sampled(job.out, drafts, run.rng, job.q)
         self._last_read = None
         run.stats.passes += 1
-        if job.ahead is not None:
-            if hit and n == len(drafts):  # it was fed the token that follows: keep it in flight
-                job.ahead.fed = nxt
-            else:  # fed a token the answer does not have: undone before this pass is cut
-                self.target.keep(job.ahead.pass_, 0, self.cache)
-                job.ahead = None
-                run.stats.wasted += 1
         inputs = [pending, *drafts]
         run.stats.passes += self.target.keep(p, n + 1, self.cache, inputs[: n + 1])
         if drafts or guess is not None:

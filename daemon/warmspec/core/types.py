@@ -54,7 +54,6 @@ class GenerationStats(Struct, kw_only=True):
     accepted: int = 0
     gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
     draft_s: float = 0.0  # host time spent proposing: the drafters' share of decode_s
-    wasted: int = 0  # passes queued behind a verify pass that then rejected a draft (undone)
     # per depth (draft position 1, 2, ...): drafts verified there and accepted there
     drafted_at: list[int] = []
     accepted_at: list[int] = []
@@ -87,7 +86,7 @@ class GenerationStats(Struct, kw_only=True):
     def add(self, other: "GenerationStats") -> None:
         """Fold ``other`` into these totals."""
         for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "draft_passes",
-                  "drafted", "accepted", "gated_steps", "prefill_s", "decode_s", "draft_s", "wasted"):
+                  "drafted", "accepted", "gated_steps", "prefill_s", "decode_s", "draft_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for name, c in other.sources.items():
             mine = self.sources.setdefault(name, SourceCount())
