@@ -206,6 +206,12 @@ def test_paired_speedup_compares_runs_of_the_same_repeat():
     assert (s.min_speedup, s.min_paired_speedup) == (0.5, 1.0)
     one = row("ngram", [2.0])
     assert bench.paired_speedup(one, plain) == bench.case_speedup(one, plain) == 0.5  # one repeat: medians
+    # the host's own noise, told beside the ratios: plain's slowest repeat over its fastest
+    steady = CaseResult(file="f", id="d", mode="plain", tokens=100, decode_s=1.0, prefill_s=0.0, passes=100,
+                        drafted=0, accepted=0, identical_to_plain=True, decode_runs=[1.0, 1.1, 1.0])
+    p = bench.mode_summary([plain, steady], {bench._key(plain): plain, bench._key(steady): steady})
+    assert (p.run_spread, p.max_run_spread) == (pytest.approx(1.55), 2.0)
+    assert bench.run_spread(one) == 1.0  # one repeat: no spread to tell
 
 
 def parse(*argv):

@@ -478,6 +478,16 @@ def paired_speedup(row: CaseResult, plain: CaseResult) -> float:
         * (row.tokens / plain.tokens if plain.tokens else 0.0)
 
 
+def run_spread(row: CaseResult) -> float:
+    """The slowest repeat's decode time over the fastest's. For plain, whose repeats do identical
+    work, it is the host's own noise, the yardstick for a per-case ratio: on the H200, plain's runs
+    of one prompt differed by a median 23% (up to 67%) across 36 prompts, every step of a slow run
+    slower alike, with no spikes and whether or not Python's collector ran or MLX's buffer cache was
+    cleared (docs/bench/h200-s24/noise/)."""
+    runs = [t for t in row.decode_runs if t > 0]
+    return max(runs) / min(runs) if len(runs) > 1 else 1.0
+
+
 def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseResult]) -> ModeSummary:
     """Totals over the mode's rows; the speedup is over the rows plain also ran: the ratio of
     total decode tok/s (plain decode time / mode decode time when outputs are identical)."""
@@ -503,6 +513,8 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
         min_paired_speedup=slowest_paired[0], min_paired_case=slowest_paired[1],
         below_floor=sum(s < FLOOR for s, _ in per_case), below_floor_paired=sum(s < FLOOR for s, _ in paired),
         divergences=len(margins), max_divergence_margin=max(margins, default=0.0),
+        run_spread=statistics.median(run_spread(r) for r in rows) if rows else 1.0,
+        max_run_spread=max((run_spread(r) for r in rows), default=1.0),
     )
 
 
@@ -732,7 +744,9 @@ def report(res: BenchResults) -> str:
          "ids equal plain's; load: the 1-minute load average after the case (above the core "
          "count, other processes competed for the CPU and timings are noisy); paired: the "
          "median over repeats of each repeat's ratio (its runs are seconds apart), which a host "
-         "that drifts between repeats moves less"), "",
+         "that drifts between repeats moves less; slowest run / fastest: per case, the mode's "
+         "slowest repeat over its fastest -- for plain, identical work, so the host's own noise, "
+         "the yardstick for a per-case ratio"), "",
         "## Per input file", "",
     ]
     summary_rows = []
@@ -744,12 +758,15 @@ def report(res: BenchResults) -> str:
                 slowest = f"{ms.min_speedup:.2f}x ({ms.min_case})" if other else ""
                 paired = f"{ms.min_paired_speedup:.2f}x ({ms.min_paired_case})" if other else ""
                 below = f"{ms.below_floor} / {ms.below_floor_paired}" if other else ""
+                spread = (f"{ms.run_spread:.2f} / {ms.max_run_spread:.2f}" if res.repeat > 1 else "")
                 summary_rows.append((f, mode, ms.cases, ms.tokens, f"{ms.decode_s:.1f}",
                                      f"{ms.tok_s:.1f}", f"{ms.speedup_vs_plain:.2f}x", slowest, paired,
-                                     below, f"{ms.acceptance:.0%}", f"{ms.tokens_per_pass:.2f}", ms.identical))
+                                     below, f"{ms.acceptance:.0%}", f"{ms.tokens_per_pass:.2f}", ms.identical,
+                                     spread))
     lines += _table(("file", "mode", "cases", "tokens", "decode s", "tok/s", "speedup vs plain",
                      "slowest case", "slowest case, paired", f"below {FLOOR}x (medians / paired)",
-                     "acceptance", "tokens/pass", "identical"), summary_rows)
+                     "acceptance", "tokens/pass", "identical", "slowest run / fastest (median / max)"),
+                    summary_rows)
     diverged = [r for r in res.cases if r.divergence is not None]
     if diverged:
         lines += ["", "## Divergences from plain", "",
@@ -882,6 +899,9 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
                                 if ms.divergences else ""))
             elif ms is not None and len(res.modes) == 1:
                 parts.append(f"{mode} {ms.tok_s:.1f} tok/s")
+            elif ms is not None and res.repeat > 1:
+                parts.append(f"plain's own repeats differ by {ms.run_spread - 1:.0%} "
+                             f"(median case; at most {ms.max_run_spread - 1:.0%})")
         if s.prefix_cache:
             p = s.prefix_cache
             warm = "after a restart" if res.restart_between_turns else "warm"

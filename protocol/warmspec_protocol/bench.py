@@ -132,6 +132,10 @@ class ModeSummary(Struct, kw_only=True):
     below_floor_paired: int = 0  # the same, paired
     divergences: int = 0
     max_divergence_margin: float = 0.0
+    # the host's noise: per case, this mode's slowest repeat over its fastest (identical work for
+    # plain), the median over cases and the largest; 1.0 with one repeat
+    run_spread: float = 1.0
+    max_run_spread: float = 1.0
 
 
 class PrefixCacheSummary(Struct, kw_only=True):
