@@ -2,7 +2,7 @@
 decoding of one prompt, many times, variants interleaved so drift hits each alike. Per run: the
 total, the median time between tokens, and the time in spikes (intervals over 3x the median).
 Variants: as shipped; Python's garbage collector off during the decode; MLX's buffer cache never
-cleared; both.  Usage: python bench/noise_probe.py PROMPTS.jsonl CASE_ID [--weights float32|quantized] [--runs N]"""
+cleared; both.  Usage: python docs/bench/h200-s24/noise/noise_probe.py PROMPTS.jsonl CASE_ID [--weights float32|quantized] [--runs N]"""
 from __future__ import annotations
 
 import argparse, gc, json, statistics as st, time
