@@ -219,19 +219,29 @@ def test_shipped_head_attaches_to_the_default_model(default_lm):
 
 
 @needs_head
-def test_the_shipped_head_is_one_flag_away(default_lm):
-    """Off by default (n-gram alone measured faster on prose), ``--mtp shipped`` attaches it."""
+def test_the_shipped_head_drafts_by_default_on_a_cpu(default_lm, monkeypatch):
+    """With the default model and no drafting option, the shipped head drafts beside n-gram
+    lookup on a CPU (measured to pay there) and not on a GPU (measured not to); ``--mtp off``
+    turns it off, ``--mtp shipped`` on anywhere; another model, a draft model or
+    ``--no-speculate`` get no head."""
     import argparse
     from pathlib import Path
 
+    from warmspec import model as model_mod
     from warmspec.server.daemon import engine_for
 
-    args = argparse.Namespace(model=None, mtp=None, draft_model=None, no_speculate=False, max_draft=None)
-    assert engine_for(default_lm, args).drafting == "ngram"
-    args.mtp = Path("shipped")
-    engine = engine_for(default_lm, args)
-    assert engine.mtp is not None and engine.mtp.draft_vocab is not None
-    assert engine.drafting == "ngram+mtp"
+    def args(**kw):
+        return argparse.Namespace(**{**dict(model=None, mtp=None, draft_model=None, no_speculate=False,
+                                            max_draft=None), **kw})
+
+    engine = engine_for(default_lm, args())
+    assert engine.drafting == "ngram+mtp" and engine.mtp is not None and engine.mtp.draft_vocab is not None
+    assert engine_for(default_lm, args(mtp=Path("off"))).drafting == "ngram"
+    assert engine_for(default_lm, args(no_speculate=True)).mtp is None
+    assert engine_for(default_lm, args(model="some/other-model")).mtp is None
+    monkeypatch.setattr(model_mod, "on_cpu", lambda: False)  # what a GPU gets
+    assert engine_for(default_lm, args()).drafting == "ngram"
+    assert engine_for(default_lm, args(mtp=Path("shipped"))).drafting == "ngram+mtp"
 
 
 def test_shipped_is_refused_for_a_model_without_a_shipped_head():

@@ -31,8 +31,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft", type=int, default=None, help="most tokens drafted per step (default 64)")
     p.add_argument("--mtp", type=Path, default=None, metavar="PATH",
                    help="draft with the model's MTP head: a checkpoint directory holding mtp.* tensors, "
-                        "a standalone head file (.safetensors with its .json), or 'shipped' (the head "
-                        "shipped for the default model; n-gram and head together)")
+                        "a standalone head file (.safetensors with its .json), 'shipped' (the head "
+                        "shipped for the default model; n-gram and head together) or 'off' (default: "
+                        "the shipped head with the default model on a CPU, where it was measured to "
+                        "pay; none on a GPU)")
     p.add_argument("--draft-model", default=None, metavar="M",
                    help="draft with a small model of the same vocabulary (MLX directory, HF id, GGUF)")
 

@@ -40,6 +40,19 @@ def default_head(lm: "LoadedModel", path: Path = DEFAULT_HEAD) -> "MTPHead | Non
         return None
 
 
+def head_by_default(lm: "LoadedModel") -> "MTPHead | None":
+    """The head a daemon of the default model drafts with when ``--mtp`` is not given: the shipped
+    one on a CPU, none on a GPU. Why, measured side by side (n-gram + head against n-gram alone,
+    prose, medians of 3): on this 2-core CPU 1.21x plain against 1.18x on the public prompts and
+    1.17x against 1.11x on 12 of our own, no prompt below 0.97x paired with the head
+    (docs/bench/cpu-s24/); on the H200 1.78x against 1.90x (4-bit, docs/bench/h200-s24/), where
+    a verify pass of two positions costs 1.75x one and a head right half the time at depth 1
+    cannot pay for it. Metal is not measured: a GPU, so off until it is."""
+    from ..model import on_cpu
+
+    return default_head(lm) if on_cpu() else None
+
+
 def resolve_head(spec: "str | Path", lm: "LoadedModel") -> "MTPHead":
     """The head a command line names: ``shipped`` (the one shipped for the default model, checked
     against this very file) or a path (a checkpoint directory with ``mtp.*`` tensors, or a

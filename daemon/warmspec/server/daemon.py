@@ -183,21 +183,24 @@ def engine_for(lm, args: argparse.Namespace, **kw):
     ``warmspec/heads``, checked against this very file), a draft model (``--draft-model M``), else
     n-gram lookup. Raises ``ModelError`` for a drafter that cannot be loaded or does not fit.
 
-    The shipped head is not attached by default: measured side by side, n-gram and head together
-    ran slower than n-gram alone on prose (H200, 4-bit: below n-gram on 9 of 11 prompts; this CPU:
-    1.05x plain against 1.11x), since its ~40% acceptance on answers does not pay for wider verify
-    passes and its own steps. ``--mtp shipped`` turns it on, to measure it or a better head."""
+    With the default model and nothing else asked for, the shipped head drafts beside n-gram
+    lookup where it was measured to pay (``heads.head_by_default``: on a CPU, not on a GPU);
+    ``--mtp shipped`` turns it on anywhere, ``--mtp off`` off."""
     from ..core import MAX_DRAFT, Engine, default_cost_cache
     from ..core.draft_model import DraftModel
     from ..core.mtp import MTPError
-    from ..heads import resolve_head
+    from ..heads import head_by_default, resolve_head
     from ..model import ModelError
 
     max_draft = args.max_draft or MAX_DRAFT
     mtp = draft = None
+    spec = getattr(args, "mtp", None)
     try:
-        if getattr(args, "mtp", None):
-            mtp = resolve_head(args.mtp, lm)
+        if spec is not None and str(spec) != "off":
+            mtp = resolve_head(spec, lm)
+        elif (spec is None and getattr(args, "model", None) is None and not args.no_speculate
+              and not getattr(args, "draft_model", None)):
+            mtp = head_by_default(lm)
         if getattr(args, "draft_model", None):
             draft = DraftModel.load(args.draft_model, lm)
     except MTPError as e:
