@@ -222,8 +222,8 @@ def test_shipped_head_attaches_to_the_default_model(default_lm):
 def test_the_shipped_head_drafts_by_default_on_a_cpu(default_lm, monkeypatch):
     """With the default model and no drafting option, the shipped head drafts beside n-gram
     lookup on a CPU (measured to pay there) and not on a GPU (measured not to); ``--mtp off``
-    turns it off, ``--mtp shipped`` on anywhere; another model, a draft model or
-    ``--no-speculate`` get no head."""
+    turns it off, ``--mtp shipped`` on anywhere; another model or ``--no-speculate`` get no
+    head."""
     import argparse
     from pathlib import Path
 

@@ -502,6 +502,7 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
     slowest = min(per_case, default=(0.0, ""))
     slowest_paired = min(paired, default=(0.0, ""))
     margins = [r.divergence.margin for r in rows if r.divergence is not None]
+    spreads = [run_spread(r) for r in rows]
     return ModeSummary(
         cases=len(rows), tokens=tokens, decode_s=decode_s, tok_s=_rate(tokens, decode_s),
         speedup_vs_plain=_rate(sum(r.tokens for r in both), sum(r.decode_s for r in both)) / base
@@ -513,8 +514,8 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
         min_paired_speedup=slowest_paired[0], min_paired_case=slowest_paired[1],
         below_floor=sum(s < FLOOR for s, _ in per_case), below_floor_paired=sum(s < FLOOR for s, _ in paired),
         divergences=len(margins), max_divergence_margin=max(margins, default=0.0),
-        run_spread=statistics.median(run_spread(r) for r in rows) if rows else 1.0,
-        max_run_spread=max((run_spread(r) for r in rows), default=1.0),
+        run_spread=statistics.median(spreads) if spreads else 1.0,
+        max_run_spread=max(spreads, default=1.0),
     )
 
 

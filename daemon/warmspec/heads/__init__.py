@@ -45,11 +45,11 @@ def head_by_default(lm: "LoadedModel") -> "MTPHead | None":
     one on a CPU, none on a GPU. Why, measured side by side (n-gram + head against n-gram alone,
     prose, medians of 3): on this 2-core CPU 1.21x plain against 1.18x on the public prompts and
     1.17x against 1.11x on 12 of our own, and on the other 24, run after the choice, 1.13x
-    against 1.10x (docs/bench/cpu-s24/); on the H200 1.78x against 1.90x in 4-bit (docs/bench/h200-s24/) and
-    1.71x against 1.83x in float32 (docs/bench/h200-f32-head2/): a step there is a few
-    milliseconds, and the head's own pass plus a wider verify pass (two positions cost 1.75x one
-    in float32) outweigh a first draft that is right about half the time. Metal is not measured:
-    a GPU, so off until it is."""
+    against 1.10x (docs/bench/cpu-s24/); on the H200 1.78x against 1.90x in 4-bit
+    (docs/bench/h200-s24/) and 1.71x against 1.83x in float32 (docs/bench/h200-f32-head2/): a
+    step there is a few milliseconds, and the head's own pass plus a wider verify pass (two
+    positions cost 1.75x one in float32) outweigh a first draft that is right about half the
+    time. Metal is not measured: a GPU, so off until it is."""
     from ..model import on_cpu
 
     return default_head(lm) if on_cpu() else None
