@@ -3,10 +3,8 @@ import sys
 from warmspec import blas
 blas.reexec_with_openblas(sys.argv)
 import statistics, time  # noqa
-from warmspec.core.engine import Engine  # noqa
 from warmspec.model import load  # noqa
 lm = load(None)
-e = Engine(lm, speculate=True)
 top = int(sys.argv[1]) if len(sys.argv) > 1 else 65
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 import mlx.core as mx, numpy as np  # noqa
