@@ -17,6 +17,9 @@
 #   pubprose   prose-public.jsonl, --repeat 3, float32
 #   ownprose   bench/prose-own.jsonl, --repeat 3, float32
 #   q4pubprose prose-public.jsonl, --repeat 3, 4-bit
+#   q4optiq    edits-public.jsonl + prose-public.jsonl, warmspec plain and n-gram against OptiQ
+#   f32optiq   0.7.7's n-gram path (docs/bench/peer-optiq/side_by_side.py), 4-bit or float32;
+#              OptiQ's unzipped wheel carried as .gpu-optiq/src (that script's docstring says how)
 # Environment: BUDGET (seconds per step, default 540: the step is cut and its results so far
 # kept), LIMIT (first N cases of each file), PIN (taskset cores, default 2-9: the host is shared),
 # EXTRA (more bench arguments), CODE (the checkout whose daemon/ and protocol/ run, default this
@@ -38,7 +41,12 @@ nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader ||
 for step in "$@"; do
   out=$OUT/$step${TAG:-}
   mkdir -p "$out"
+  run="-m warmspec bench"
   case $step in
+    q4optiq|f32optiq)
+      run="docs/bench/peer-optiq/side_by_side.py"
+      w=quantized; [ "$step" = f32optiq ] && w=float32
+      args="$shared/edits-public.jsonl $shared/prose-public.jsonl --weights $w" ;;
     smoke)    args="$shared/prose-public.jsonl --limit 1 --max-tokens-cap 32" ;;
     f32edits) args="$shared/edits-public.jsonl --weights float32" ;;
     q4edits)  args="$shared/edits-public.jsonl --weights quantized" ;;
@@ -49,10 +57,10 @@ for step in "$@"; do
     q4pubprose) args="$shared/prose-public.jsonl --repeat 3 --weights quantized" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
-  echo "== $step: warmspec bench $args $limit ${EXTRA:-}"
+  echo "== $step: $run $args $limit ${EXTRA:-}"
   start=$(date +%s)
   # shellcheck disable=SC2086
-  timeout "$budget" taskset -c "$pin" python3 -m warmspec bench $args $limit ${EXTRA:-} --out "$out" \
+  PYTHONPATH=$PYTHONPATH:$PWD/.gpu-optiq/src timeout "$budget" taskset -c "$pin" python3 $run $args $limit ${EXTRA:-} --out "$out" \
     > "$out/log.txt" 2>&1 || echo "$step stopped: rc $? (results so far kept)"
   echo "$step took $(( $(date +%s) - start )) s"
   rm -f "$out/speedup.png"

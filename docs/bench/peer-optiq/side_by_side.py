@@ -76,11 +76,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("prompts", nargs="+", type=Path)
     p.add_argument("--limit", type=int, default=None, help="first N cases of each file")
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N cases of each file (a long set split across calls)")
+    p.add_argument("--weights", choices=("auto", "float32", "quantized"), default="auto",
+                   help="as warmspec bench: auto is float32 on a CPU and the GGUF's 4-bit on a GPU")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--optiq-draft", type=int, default=OPTIQ_DRAFT, help="OptiQ's draft ceiling")
     args = p.parse_args()
 
-    lm = load(None)
+    lm = load(None, dequantize={"auto": None, "float32": True, "quantized": False}[args.weights])
     costs = Engine(lm).measure_costs()
     engines = {"plain": Engine(lm, speculate=False), "ngram": Engine(lm, speculate=True, costs=costs)}
     warm = lm.tokenizer.encode("Hello! How are you today? Hello! How are you today?")
@@ -90,8 +94,14 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     info = msgspec.to_builtins(machine())
+    info["weights"] = "4-bit (the GGUF's Q4_1 as MLX quantized layers)" if lm.quantized else "float32 (dequantized at load)"
     rows = []
-    for file, case in read_cases(args.prompts, args.limit):
+    cases = read_cases(args.prompts, None if args.limit is None else args.skip + args.limit)
+    seen: dict[str, int] = {}
+    for file, case in cases:
+        seen[file] = seen.get(file, 0) + 1
+        if seen[file] <= args.skip:
+            continue
         prompt = chat_ids(lm.tokenizer, case.messages)
         runs = {m: warmspec_run(e, prompt, case.max_tokens) for m, e in engines.items()}
         runs["optiq"] = optiq_run(lm, prompt, case.max_tokens, args.optiq_draft)
@@ -137,7 +147,7 @@ def write(out: Path, rows: list[dict], draft: int, info: dict) -> None:
     lines = ["# warmspec and OptiQ's n-gram path, side by side", "",
              (f"- machine: {info['cpu']}, {info['cores']} cores; {info['device']}, {info['blas']}; "
               f"MLX {info['mlx']}, mlx-lm {info['mlx_lm']}, Python {info['python']}"),
-             ("- model: SmolLM2-135M-Instruct, float32 (dequantized at load); greedy; the three modes "
+             (f"- model: SmolLM2-135M-Instruct, {info['weights']}; greedy; the three modes "
               "alternate per case in one process; decode time excludes prefill"),
              "- speedup: decode tok/s over warmspec plain's on the same cases", "",
              "| file | decoder | cases | tokens | decode s | tok/s | speedup | per case (min / median / max) | identical |",
