@@ -5,7 +5,8 @@
 # watchdog cattrs, then one call per folder copying .gpu-a .. .gpu-d into /tmp/stage, the last
 # running assemble.sh. A call carries at most 64 MiB with the working tree: with a 17 MB tree
 # .gpu-c (48 MB) did not fit, so its part was split in two (split -b 24000000 -a 1 -d
-# model.part.aa model.part.aa; the pieces sort before model.part.ab) and sent in two calls.
+# model.part.aa model.part.aa; the pieces sort before model.part.ab) and sent in two calls. With
+# an 18.8 MB tree .gpu-d (48.4 MB) was over too: its first 10 MB went to .gpu-e as model.part.ab0.
 # Then, per call:  sh bench/h200.sh STEP [STEP ...]
 #
 # Steps (the bench files are ../shared/bench's; on the device carry a copy as .gpu-bench/):
@@ -18,8 +19,9 @@
 #   ownprose   bench/prose-own.jsonl, --repeat 3, float32
 #   q4pubprose prose-public.jsonl, --repeat 3, 4-bit
 #   q4optiq    edits-public.jsonl + prose-public.jsonl, warmspec plain and n-gram against OptiQ
-#   f32optiq   0.7.7's n-gram path (docs/bench/peer-optiq/side_by_side.py), 4-bit or float32;
-#              OptiQ's unzipped wheel carried as .gpu-optiq/src (that script's docstring says how)
+#              0.7.7's n-gram path (docs/bench/peer-optiq/side_by_side.py), 4-bit; OptiQ's unzipped
+#              wheel carried as .gpu-optiq/src (that script's docstring says how)
+#   f32optiq   the same, float32
 # Environment: BUDGET (seconds per step, default 540: the step is cut and its results so far
 # kept), LIMIT (first N cases of each file), PIN (taskset cores, default 2-9: the host is shared),
 # EXTRA (more bench arguments), CODE (the checkout whose daemon/ and protocol/ run, default this
