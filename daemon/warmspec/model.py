@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from warmspec_protocol import SamplingParams
 
-from . import fetch, gguf, memory
+from . import attention, fetch, gguf, memory
 from .tokenizer import Tokenizer, TokenizerError
 
 
@@ -53,9 +53,14 @@ def on_cpu() -> bool:
 
 
 def load(spec: str | None = None, *, dequantize: bool | None = None) -> LoadedModel:
-    """Load ``spec`` (None: the embedded default). ``dequantize`` defaults to True on CPU."""
-    if dequantize is None:
-        dequantize = on_cpu()
+    """Load ``spec`` (None: the embedded default). ``dequantize`` defaults to True on CPU. On a
+    CPU, wide passes' attention is routed around MLX's slow ``exp`` (``attention.install``)."""
+    lm = _load(spec, dequantize=on_cpu() if dequantize is None else dequantize)
+    attention.install(lm.model)
+    return lm
+
+
+def _load(spec: str | None, *, dequantize: bool) -> LoadedModel:
     if spec is None:
         try:
             path = fetch.pull()
