@@ -39,6 +39,21 @@ def test_attend_matches_mlx(heads, length, keys, mask):
     assert mx.allclose(got, want, atol=2e-5, rtol=1e-5).item(), mx.max(mx.abs(got - want)).item()
 
 
+def test_gradients_match_mlx():
+    """``warmspec forge`` trains a head through this attention: its gradients are MLX's."""
+    q, k, v = qkv(6, 2, 8, 8)
+    w = mx.random.normal((1, 6, 8, 16))
+
+    def loss(f):
+        return lambda q, k, v: (f(q, k, v) * w).sum()
+
+    ours = mx.grad(loss(lambda q, k, v: attention.attend(q, k, v, 0.25, "causal")), argnums=(0, 1, 2))(q, k, v)
+    mlx = mx.grad(loss(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")),
+                  argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, mlx):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), mx.max(mx.abs(a - b)).item()
+
+
 def test_softmax_at_the_extremes():
     """Masked and underflowing scores weigh exactly 0; large ones do not overflow; each row sums to 1."""
     s = mx.array([[0.0, -mx.inf, -1000.0, -86.0, 3.0], [80.0, 79.0, -mx.inf, 0.0, -50.0]])
@@ -53,7 +68,7 @@ def test_softmax_at_the_extremes():
     assert np.max(np.abs(np.array(exp) - want) / want) < 2e-7
 
 
-def test_small_and_one_position_passes_keep_mlx_s_kernel(monkeypatch):
+def test_small_one_position_and_prefill_passes_keep_mlx_s_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "attend", lambda *a: calls.append(a) or base.scaled_dot_product_attention(
         a[0], a[1], a[2], cache=None, scale=a[3], mask=a[4]))
@@ -61,6 +76,9 @@ def test_small_and_one_position_passes_keep_mlx_s_kernel(monkeypatch):
     attention.scaled_dot_product_attention(q1, k, v, None, 0.25, None)
     q2, k, v = qkv(9, 3, 2, 64)
     attention.scaled_dot_product_attention(q2, k, v, None, 0.25, "causal")
+    assert not calls
+    q512, k, v = qkv(9, 3, 512, 1024)  # a prefill chunk
+    attention.scaled_dot_product_attention(q512, k, v, None, 0.25, "causal")
     assert not calls
     q16, k, v = qkv(9, 3, 16, 1024)
     attention.scaled_dot_product_attention(q16, k, v, None, 0.25, "causal")

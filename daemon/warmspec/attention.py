@@ -13,13 +13,13 @@ between them. On one layer's scores this is 3.1x faster than ``mx.exp``, and eac
 are the same whatever the number of rows. With it, on the first three public edits, n-gram
 decoding ran 84.5 tok/s against 59.6.
 
-Where: only passes of two positions or more, with at least ``MIN_SCORES`` scores. The extra
-operations per layer cost more than they save on small score matrices: used for every pass,
+Where: only passes of 2 to ``MAX_POSITIONS`` positions with at least ``MIN_SCORES`` scores. The
+extra operations per layer cost more than they save on small score matrices: used for every pass,
 plain decoding's one-position steps at short contexts ran 53 -> 70 ms. Plain decoding and
-one-position passes keep MLX's own kernel. The two paths agree to ~1e-5 in the logits. That is the
-same order as between a wide pass and one-position passes with MLX's kernel alone (5.1e-5), so
-greedy output still equals plain's except at such a near tie. Quantized KV caches and attention
-sinks keep mlx-lm's path too.
+one-position passes keep MLX's own kernel, as do prefill chunks, quantized KV caches and attention
+sinks. The two paths agree to ~1e-5 in the logits. That is the same order as between a wide pass
+and one-position passes with MLX's kernel alone (5.1e-5), so greedy output still equals plain's
+except at such a near tie.
 
 ``install(model)`` rebinds ``scaled_dot_product_attention`` in the mlx-lm modules the model is
 built from (every mlx-lm model file calls it by that name) when MLX runs on the CPU; elsewhere MLX
@@ -37,8 +37,15 @@ from mlx_lm.models import base
 # Below this many scores (batch x heads x positions x keys) a pass keeps MLX's kernel. A
 # one-layer softmax over 9 x 2 x 1024 scores ran 1.6x faster than MLX's, over 9 x 64 scores 0.7x.
 MIN_SCORES = 8192
+# Above this many positions (prefill chunks, 512) a pass keeps MLX's kernel too: a 512-token chunk
+# at 1024 tokens of context took 4.2 s either way (median of 3), and this path holds a few more
+# score-sized arrays at once. Verify passes are at most 65 positions.
+MAX_POSITIONS = 128
 LOG2E = 1.4426950408889634
 FLOOR = -87.0  # exp below this underflows float32's normal range: 0
+# Part of the key of the cost tables kept on disk (``core.engine.default_cost_cache``): a table
+# measured with another attention prices wide passes wrongly.
+VERSION = "polyexp-1"
 
 
 def _poly(s: mx.array, m: mx.array) -> tuple[mx.array, mx.array]:
@@ -61,12 +68,19 @@ _poly_c = mx.compile(_poly, shapeless=True)
 _scale_c = mx.compile(_scale, shapeless=True)
 
 
+@mx.custom_function
 def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis, float32."""
+    """Softmax over the last axis, float32. Differentiable (``warmspec forge`` trains through
+    it): the bit cast has no gradient of its own, so the softmax's is given."""
     m = mx.max(scores, axis=-1, keepdims=True)
     y, bits = _poly_c(scores, m)
     e = _scale_c(y, bits.view(mx.float32), scores, m)
     return e / mx.sum(e, axis=-1, keepdims=True)
+
+
+@softmax.vjp
+def _softmax_vjp(primals, cotangent, output):
+    return (output * (cotangent - mx.sum(cotangent * output, axis=-1, keepdims=True)),)
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -95,7 +109,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     """mlx-lm's ``base.scaled_dot_product_attention``, with ``attend`` for large multi-position
     passes (see the module's docstring)."""
     B, H, L, _ = queries.shape
-    if (L < 2 or sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32
+    if (L < 2 or L > MAX_POSITIONS or sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32
             or B * H * L * keys.shape[2] < MIN_SCORES):
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
                                                  mask=mask, sinks=sinks)
