@@ -10,8 +10,9 @@ What: the same grouped-query attention as MLX's own fallback on a CPU (scale, sc
 softmax, values), with ``exp`` computed by Cephes' single-precision polynomial in two compiled
 shapeless kernels. A shapeless compile cannot hold the bit cast that makes 2^n, so it sits
 between them. On one layer's scores this is 3.1x faster than ``mx.exp``, and each row's values
-are the same whatever the number of rows. With it, on the first three public edits, n-gram
-decoding ran 84.5 tok/s against 59.6.
+are the same whatever the number of rows. With it, n-gram decoding of the first 16 public edits
+ran 87.3 tok/s against 69.0 before (7.41x plain against 5.37x), and the gate, pricing the cheaper
+wide passes, drafted 20.39 tokens a pass against 18.39.
 
 Where: only passes of 2 to ``MAX_POSITIONS`` positions with at least ``MIN_SCORES`` scores. The
 extra operations per layer cost more than they save on small score matrices: used for every pass,
@@ -22,7 +23,7 @@ and one-position passes with MLX's kernel alone (5.1e-5), so greedy output still
 except at such a near tie.
 
 ``install(model)`` rebinds ``scaled_dot_product_attention`` in the mlx-lm modules the model is
-built from (every mlx-lm model file calls it by that name) when MLX runs on the CPU; elsewhere MLX
+built from (the mlx-lm model files call it by that name) when MLX runs on the CPU; elsewhere MLX
 has fused kernels and nothing changes.
 """
 
