@@ -96,7 +96,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+        mask = base.create_causal_mask(L, offset=S - L)
     if mask is not None:
         if mask.ndim == 4:  # (B or 1, 1 or H, L, S) against the scores' (B, KV, R, L, S)
             mask = (mx.expand_dims(mask, 2) if mask.shape[1] == 1
