@@ -101,6 +101,14 @@ def test_bench_end_to_end(default_lm, tmp_path):
     for r in res.cases:
         assert r.tokens > 0 and r.passes > 0 and r.decode_s > 0 and r.ttft_s > 0
         assert r.accepted <= r.drafted and 0.0 <= r.copy_fraction <= 1.0
+        # one repeat: the per-source counts add up to the row's own
+        assert [sum(c[0] for c in r.sources.values()), sum(c[1] for c in r.sources.values())] == \
+            [r.drafted, r.accepted]
+        assert r.mode == "ngram" or r.sources == {}
+    # the echo drafts from the request itself
+    assert next(r for r in echo if r.mode == "ngram").sources["request"][1] > 0
+    assert res.summary.ngram.sources == bench.source_counts(r.sources for r in ngram_rows)
+    assert sum(a for _, a in res.summary.ngram.sources.values()) == sum(r.accepted for r in ngram_rows)
 
     conv = [r for r in res.cases if r.id == "conv"]
     assert [r.turn for r in conv] == [0, 1, 0, 1]

@@ -301,6 +301,7 @@ def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, lis
                 accepted=statistics.median_low(s.accepted for s in st),
                 gated_steps=statistics.median_low(s.gated_steps for s in st),
                 decode_runs=[round(s.decode_s, 6) for s in st],
+                sources=source_counts({n: (c.drafted, c.accepted) for n, c in s.sources.items()} for s in st),
                 prompt_tokens=st[0].prompt_tokens,
                 cached_tokens=st[0].cached_tokens,
                 finish_reason=runs[0].finish_reason,
@@ -312,6 +313,18 @@ def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, lis
                                  if s.tokens != ref), None) if lm is not None and ref is not None else None,
             ))
     return rows
+
+
+def source_counts(counts: Iterable[dict]) -> dict[str, list[int]]:
+    """[drafted, accepted] per guess source, summed over ``counts`` (dicts of source ->
+    (drafted, accepted))."""
+    out: dict[str, list[int]] = {}
+    for c in counts:
+        for name, (drafted, accepted) in c.items():
+            d = out.setdefault(name, [0, 0])
+            d[0] += drafted
+            d[1] += accepted
+    return dict(sorted(out.items()))
 
 
 # -- replay ---------------------------------------------------------------------------------------
@@ -517,6 +530,7 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
         divergences=len(margins), max_divergence_margin=max(margins, default=0.0),
         run_spread=statistics.median(spreads) if spreads else 1.0,
         max_run_spread=max(spreads, default=1.0),
+        sources=source_counts(r.sources for r in rows),
     )
 
 
@@ -896,6 +910,9 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
                              f"slowest case {ms.min_speedup:.2f}x (paired {ms.min_paired_speedup:.2f}x), "
                              f"acceptance {ms.acceptance:.0%}, {ms.tokens_per_pass:.2f} tok/pass, "
                              f"identical {ms.identical}"
+                             + (", accepted/drafted by source " + ", ".join(
+                                 f"{name} {a}/{d}" for name, (d, a) in ms.sources.items())
+                                if ms.sources else "")
                              + (f" ({ms.divergences} diverged, max margin {ms.max_divergence_margin:.2e}"
                                 f"{', BUG' if ms.max_divergence_margin > TIE_MARGIN else ''})"
                                 if ms.divergences else ""))

@@ -93,6 +93,9 @@ class CaseResult(Struct, kw_only=True):
     load_avg: float = 0.0  # 1-minute load average after the case: above the core count, noisy
     divergence: Divergence | None = None  # where the tokens first differ from plain's
     decode_runs: list[float] = []  # each repeat's decode seconds, in run order (modes alternate per repeat)
+    # per guess source ("request", "workspace", "recent", "mtp", ...): [drafted, accepted], summed
+    # over the repeats (drafted/accepted above are medians)
+    sources: dict[str, list[int]] = {}
 
 
 class ReplayResult(Struct, kw_only=True):
@@ -136,6 +139,7 @@ class ModeSummary(Struct, kw_only=True):
     # plain), the median over cases and the largest; 1.0 with one repeat
     run_spread: float = 1.0
     max_run_spread: float = 1.0
+    sources: dict[str, list[int]] = {}  # per guess source: [drafted, accepted] over every repeat
 
 
 class PrefixCacheSummary(Struct, kw_only=True):

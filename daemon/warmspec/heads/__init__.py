@@ -49,7 +49,10 @@ def head_by_default(lm: "LoadedModel") -> "MTPHead | None":
     (docs/bench/h200-s24/) and 1.71x against 1.83x in float32 (docs/bench/h200-f32-head2/): a
     step there is a few milliseconds, and the head's own pass plus a wider verify pass (two
     positions cost 1.75x one in float32) outweigh a first draft that is right about half the
-    time. Metal is not measured: a GPU, so off until it is."""
+    time. The head trained longer (held-back depth-1 62.6% on answers against 56.2%) measured the
+    same way: on the CPU 1.25x against 1.22x (docs/bench/cpu-s27/), on the H200 1.84x against
+    2.02x in 4-bit and 1.67x against 1.71x in float32 (docs/bench/h200-s27/). Metal is not
+    measured: a GPU, so off until it is."""
     from ..model import on_cpu
 
     return default_head(lm) if on_cpu() else None
