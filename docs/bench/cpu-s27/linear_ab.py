@@ -3,7 +3,6 @@
 Usage: PYTHONPATH=daemon:protocol python docs/bench/cpu-s27/linear_ab.py (the default model, 40 passes per
 width and context, the two forms alternating, the first two of each dropped)."""
 import sys, time, statistics
-sys.path.insert(0, "/work/main/daemon"); sys.path.insert(0, "/work/main/protocol")
 from warmspec import blas
 blas.reexec_with_openblas(sys.argv)
 import mlx.core as mx, mlx.nn as nn
