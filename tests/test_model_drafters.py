@@ -151,6 +151,28 @@ def test_ngram_and_mtp_together_pick_per_step(tmp_path):
     assert stats.sources["mtp"].accepted > 0 and stats.sources["request"].accepted > 50
 
 
+def test_a_head_s_device_time_is_priced_per_drafted_token(tmp_path):
+    """A head's greedy drafts are computed inside the verify pass (a decoder layer and an output
+    projection per depth): the engine measures that time per drafted token when the head drafts,
+    and the gate prices it, so a deep draft is asked for only where its acceptance pays for it."""
+    from warmspec.core.gate import Gate
+
+    lm = tiny.build("llama")
+    head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, "llama", copy_head_tensors(lm)), lm)
+    e = Engine(lm, costs=CostTable({0: {1: 0.05, 2: 0.055, 8: 0.06}}), mtp=head)
+    assert e.gate.device_source["mtp"] > 0
+    assert "mtp" not in Engine(lm, costs=CostTable(FREE.points), mtp=head, drafting="ngram").gate.device_source
+
+    gate = Gate(CostTable({0: {1: 0.05, 2: 0.055, 8: 0.06}}), max_draft=8)
+    gate.source_rate["mtp"] = 0.6
+    assert gate.depth("mtp", 8) >= 6  # unpriced: deep drafts, since wider passes cost little
+    gate.device_source["mtp"] = 0.005  # a tenth of a pass per drafted token
+    assert gate.depth("mtp", 8) == 3
+    assert gate.value(8, 0.5, source="mtp")[0] == 2  # a proposal judged at the prior, 0.5
+    gate.device_source["mtp"] = 0.05  # as much as a pass
+    assert gate.depth("mtp", 8) == 0
+
+
 def test_tapping_the_hidden_state_adds_no_parameter():
     """The tap keeps the last hidden state outside the module tree: as an array attribute it was
     a parameter, and the model's size (the memory check's figure) grew by one position's state."""

@@ -8,6 +8,7 @@ import pytest
 
 from warmspec.core.cache import offset
 from warmspec.core.engine import Engine, Finished, Run
+from warmspec.core.drafter import Proposal
 from warmspec.probes import ScriptedDrafter
 from warmspec.core.gate import CostTable
 from warmspec.core import GenerationStats, SamplingParams
@@ -456,6 +457,39 @@ def test_host_time_turns_a_slow_drafter_off():
     fast = SlowDrafter(prompt, plain, delay=0.0)
     decode(lm, prompt, 60, drafter=fast, speculate=True, engine=fast_engine)
     assert fast_engine.gate.skipped == 0 and fast.calls > 25
+
+
+class Unsure:
+    """Always right, but claims only even odds (the prior's bin): the gate must learn it."""
+
+    wants_hidden = False
+
+    def __init__(self, prompt, reference):
+        self.inner = ScriptedDrafter(prompt, reference, wrong_every=10**9, k=6, vocab=tiny.VOCAB)
+
+    def commit(self, tokens, hidden=None):
+        self.inner.commit(tokens)
+
+    def propose(self, k):
+        p = self.inner.propose(k)
+        return p and Proposal(tokens=p.tokens, confidence=0.5, source="unsure")
+
+
+def test_proposals_left_unverified_are_scored_against_what_was_emitted():
+    """A proposal the gate refuses is scored against the token the plain step then emits: its
+    bin's estimate keeps learning without a verify pass, and a drafter that is right is soon
+    verified. Learning from verified drafts alone (a one-token probe every 16 refusals), the
+    estimate would reach 0.64 in these 80 tokens, and nothing would be verified."""
+    lm = tiny.build("llama")
+    prompt = list(range(3, 30))
+    plain, _ = decode(lm, prompt, 80)
+    # a draft of one costs three plain steps: at the prior's even odds no width pays
+    costs = CostTable({0: {1: 0.01, 2: 0.03, 8: 0.05}})
+    engine = Engine(lm, speculate=True, costs=costs, observe_costs=False, observe_host=False)
+    spec, stats = decode(lm, prompt, 80, drafter=Unsure(prompt, plain), speculate=True, engine=engine)
+    assert spec == plain
+    assert stats.gated_steps > 5 and stats.drafted > 0
+    assert stats.accepted == stats.drafted and stats.accepted > 30
 
 
 def test_time_outside_the_pass_is_priced_where_a_verify_step_pays_it():

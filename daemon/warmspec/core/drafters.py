@@ -156,6 +156,8 @@ class CombinedDrafter:
             km, v = gate.value(m.width, m.confidence, ctx, source=m.source)
             if best is None or v > best_value:
                 best = m
+        if n is not None and m is not None and best is m and self.mtp.params.greedy:
+            gate.shadow(n.tokens, n.confidence, n.source)  # scored all the same (``Gate.settle``)
         return best if best is not None else (n or m)
 
 

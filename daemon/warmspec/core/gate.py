@@ -290,6 +290,10 @@ class Gate:
         self.refusals: dict[tuple[str, int], int] = {}
         self.host_s = 0.0  # proposing + gating, per step (decayed mean)
         self.host_source: dict[str, float] = {}  # a source's own proposing time (decayed mean)
+        # Seconds per drafted token that a source's drafting adds to the verify pass on the device
+        # (an MTP head's drafts are computed in the pass's graph: a decoder layer and an output
+        # projection per depth), measured by the engine; scaled with the table (machine load).
+        self.device_source: dict[str, float] = {}
         self.outside_s = 0.0  # per verify step, the time spent outside the pass (decayed mean)
         self.pipelined = False  # plain steps run ahead of the host (then their cost includes it)
         # verify passes are queued before the consumer handles the previous step (then the time
@@ -298,6 +302,7 @@ class Gate:
         self.source_rate: dict[str, float] = {}  # per-token acceptance of a source, all bins
         self.unasked: dict[str, int] = {}  # steps a source was not asked since it last was (probes)
         self.skip = 0  # steps left to pass without proposing
+        self._shadow: tuple[list[int], float, str] | None = None  # a proposal not verified (``shadow``)
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
 
     @staticmethod
@@ -321,7 +326,12 @@ class Gate:
         if k_max <= 0:
             return 0, 1.0 / self._plain_s(context)
         return self._best(k_max, self.acceptance(confidence, source), context,
-                          self.host_source.get(source, self.host_s))
+                          self.host_source.get(source, self.host_s), self.per_token(source))
+
+    def per_token(self, source: str) -> float:
+        """Device seconds one drafted token of ``source`` adds to its verify pass (0 for drafts
+        proposed on the host)."""
+        return self.device_source.get(source, 0.0) * self.costs.scale
 
     def _plain_s(self, context: int) -> float:
         """A plain step as the engine runs it: pipelined, the measured step (the time outside the
@@ -336,7 +346,8 @@ class Gate:
         queued before the consumer's work, which it overlaps."""
         return 0.0 if self.overlapped else self.outside_s
 
-    def _best(self, k_max: int, a: float, context: int, host: float) -> tuple[int, float]:
+    def _best(self, k_max: int, a: float, context: int, host: float,
+              per_token: float = 0.0) -> tuple[int, float]:
         plain = 1.0 / self._plain_s(context)
         best_k, best = 0, plain * MARGIN
         expected, term = 1.0, 1.0
@@ -344,14 +355,15 @@ class Gate:
         for k in range(1, k_max + 1):
             term *= a
             expected += term
-            v = expected / (self.costs.cost(1 + k, context) + host + outside)
+            v = expected / (self.costs.cost(1 + k, context) + host + outside + k * per_token)
             if v > best:
                 best_k, best = k, v
         return best_k, best if best_k else plain
 
     def depth(self, source: str, k_max: int, context: int = 0) -> int:
         """How many tokens to ask ``source`` for before it has proposed (0: don't ask), from its
-        acceptance over all its proposals and its own measured proposing time. For a drafter whose
+        acceptance over all its proposals, its own measured proposing time and the device time
+        its drafts add to the pass (``per_token``). For a drafter whose
         proposals cost a pass of their own per token (an MTP head: a decoder layer and an output
         projection per depth), not asking is what saves the time: on an H200 asking the head every
         step, with 64 drafts each, held prose at 0.97x plain where n-gram alone ran 1.35x. A
@@ -362,7 +374,8 @@ class Gate:
         if not self.enabled:
             return k_max
         a = self.source_rate.get(source, PRIOR_ACCEPTANCE)
-        best_k, _ = self._best(k_max, a, context, self.host_source.get(source, 0.0))
+        best_k, _ = self._best(k_max, a, context, self.host_source.get(source, 0.0),
+                               self.per_token(source))
         if best_k:
             self.unasked[source] = 0
             return best_k
@@ -420,6 +433,32 @@ class Gate:
             s = DECAY * s + (1 - DECAY) * hit
         self.rate[b] = r
         self.source_rate[source] = s
+
+    def shadow(self, tokens: list[int], confidence: float, source: str) -> None:
+        """Keep a greedy proposal that will not be verified (gated off, or another source's
+        taken instead), to be scored against the tokens the step emits (``settle``)."""
+        self._shadow = (tokens, confidence, source) if tokens else None
+
+    def settle(self, emitted: list[int]) -> None:
+        """Score the shadowed proposal against what the step emitted, as a verify pass would
+        have: its agreeing prefix accepted, then one rejection where it differs.
+
+        Why: a bin's estimate learned only from verified drafts goes stale where it is not
+        verified, and decides that it stays unverified. With an MTP head beside n-gram lookup,
+        the head's proposals won the steps where n-gram's short matches were estimated low,
+        those estimates never saw the loop the answer fell into, and a list prompt that loops
+        (own-list-14) ran 47 passes with the head against 40 with n-gram alone, the head
+        drafting nothing. Scoring costs a comparison of a few tokens; the probe it replaces
+        (``PROBE_EVERY``) cost a verify pass. Greedy only: under sampling an agreeing token is
+        not what rejection sampling accepts."""
+        if self._shadow is None:
+            return
+        tokens, confidence, source = self._shadow
+        self._shadow = None
+        n = min(len(tokens), len(emitted))
+        agree = next((i for i in range(n) if tokens[i] != emitted[i]), n)
+        self.observe(confidence, agree + (agree < n), agree, source=source)
+        self.refusals[self.bin(confidence, source)] = 0  # the estimate is alive: no probe needed
 
     # -- host time -------------------------------------------------------------------------------
 
