@@ -244,6 +244,20 @@ def test_resume_keeps_finished_cases(default_lm, tmp_path):
         bench.bench(default_lm, [cases], out, modes=["plain"], resume=True)
 
 
+def test_a_run_without_plain_prints_no_ratios(default_lm, tmp_path):
+    """Modes compared among themselves (no plain): the summary gives tok/s, not a 0.00x "vs
+    plain" nor "identical 0/1" against a baseline that was never run."""
+    import io
+
+    cases = tmp_path / "cases.jsonl"
+    write_jsonl(cases, [{"id": "one", "messages": user(ECHO), "max_tokens": 6}])
+    res = bench.bench(default_lm, [cases], tmp_path / "out", modes=["ngram"], costs=CostTable(CPU_COSTS))
+    text = io.StringIO()
+    bench.print_summary(res, file=text)
+    assert "no plain mode to compare with" in text.getvalue()
+    assert "vs plain" not in text.getvalue() and "identical" not in text.getvalue()
+
+
 def test_command_line(tmp_path):
     args = parse("bench", "a.jsonl", "b.jsonl", "--out", str(tmp_path), "--limit", "3", "--replay")
     assert args.func is bench.run

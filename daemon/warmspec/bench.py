@@ -906,10 +906,13 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
         for mode in MODES:
             ms: ModeSummary | None = getattr(s, mode_attr(mode))
             if ms is not None and mode != "plain":
-                parts.append(f"{mode} {ms.speedup_vs_plain:.2f}x vs plain ({ms.tok_s:.1f} tok/s), "
-                             f"slowest case {ms.min_speedup:.2f}x (paired {ms.min_paired_speedup:.2f}x), "
-                             f"acceptance {ms.acceptance:.0%}, {ms.tokens_per_pass:.2f} tok/pass, "
-                             f"identical {ms.identical}"
+                # without plain among the modes there is nothing to compare with or to be identical to
+                vs = (f"{ms.speedup_vs_plain:.2f}x vs plain ({ms.tok_s:.1f} tok/s), slowest case "
+                      f"{ms.min_speedup:.2f}x (paired {ms.min_paired_speedup:.2f}x), "
+                      if "plain" in res.modes else f"{ms.tok_s:.1f} tok/s (no plain mode to compare with), ")
+                parts.append(f"{mode} {vs}"
+                             f"acceptance {ms.acceptance:.0%}, {ms.tokens_per_pass:.2f} tok/pass"
+                             + (f", identical {ms.identical}" if "plain" in res.modes else "")
                              + (", accepted/drafted by source " + ", ".join(
                                  f"{name} {a}/{d}" for name, (d, a) in ms.sources.items())
                                 if ms.sources else "")
