@@ -173,6 +173,36 @@ def test_a_head_s_device_time_is_priced_per_drafted_token(tmp_path):
     assert gate.depth("mtp", 8) == 0
 
 
+def test_an_ngram_proposal_the_head_wins_over_is_scored_all_the_same():
+    """With the head's proposal taken, n-gram's is scored against what the step emits: its bin
+    keeps learning, so a loop the answer falls into is seen even while the head drafts."""
+    from warmspec.core.drafter import Proposal
+    from warmspec.core.drafters import CombinedDrafter
+    from warmspec.core.gate import Gate
+
+    class Fixed:
+        def __init__(self, proposal, params=SamplingParams()):
+            self.proposal, self.params = proposal, params
+
+        def propose(self, k):
+            return self.proposal
+
+        def commit(self, tokens, hidden=None):
+            pass
+
+    gate = Gate(CostTable({0: {1: 0.05, 2: 0.055, 8: 0.06}}), max_draft=8)
+    short = Proposal(tokens=[1, 2, 3], confidence=0.5, source="request")
+    b = gate.bin(0.5, "request")
+    gate.rate[b] = 0.1  # a short match, estimated hopeless: gated off
+    head = Proposal(tokens=[], confidence=0.5, source="mtp", device=mx.array([4, 5]))
+    combined = CombinedDrafter(Fixed(short), Fixed(head), gate, lambda: 0)
+    assert combined.propose(8) is head
+    gate.settle([1, 2, 9])  # two of n-gram's tokens came, then another
+    assert gate.rate[b] == pytest.approx(0.9 * (0.9 * (0.9 * 0.1 + 0.1) + 0.1))
+    gate.settle([7])  # nothing is left to score twice
+    assert gate.rate[b] == pytest.approx(0.9 * (0.9 * (0.9 * 0.1 + 0.1) + 0.1))
+
+
 def test_tapping_the_hidden_state_adds_no_parameter():
     """The tap keeps the last hidden state outside the module tree: as an array attribute it was
     a parameter, and the model's size (the memory check's figure) grew by one position's state."""
