@@ -24,6 +24,14 @@ CPU step of 40-90 ms that is noise; on a GPU step of 5 ms it is not, and it is p
 gate then answers 0. So the gate measures it (``observe_host``), adds it to a drafting step's cost,
 and where proposals keep coming to nothing it backs off: it lets steps pass without proposing, so
 that the host time spent on fruitless proposals stays under ``HOST_SHARE`` of plain decoding.
+
+Device time of a drafter: an MTP head's drafts are computed inside the verify pass, a decoder
+layer and an output projection per depth. The engine times them at first use and the gate
+charges them per drafted token (``per_token``), apart from the pass's own cost.
+
+Unverified proposals: a proposal gated off, or one that lost to another source's, is scored
+against what the step then emitted (``shadow`` / ``settle``), so every bin's estimate follows
+the text whether or not its proposals are verified.
 """
 
 from __future__ import annotations
