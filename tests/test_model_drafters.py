@@ -155,7 +155,7 @@ def test_a_head_s_device_time_is_priced_per_drafted_token(tmp_path):
     """A head's greedy drafts are computed inside the verify pass (a decoder layer and an output
     projection per depth): the engine measures that time per drafted token when the head drafts,
     and the gate prices it, so a deep draft is asked for only where its acceptance pays for it."""
-    from warmspec.core.gate import Gate
+    from warmspec.core.gate import Gate, Rates
 
     lm = tiny.build("llama")
     head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, "llama", copy_head_tensors(lm)), lm)
@@ -164,7 +164,7 @@ def test_a_head_s_device_time_is_priced_per_drafted_token(tmp_path):
     assert "mtp" not in Engine(lm, costs=CostTable(FREE.points), mtp=head, drafting="ngram").gate.device_source
 
     gate = Gate(CostTable({0: {1: 0.05, 2: 0.055, 8: 0.06}}), max_draft=8)
-    gate.source_rate["mtp"] = 0.6
+    gate.source_rate["mtp"] = Rates(0.6, 0.6)
     assert gate.depth("mtp", 8) >= 6  # unpriced: deep drafts, since wider passes cost little
     gate.device_source["mtp"] = 0.005  # a tenth of a pass per drafted token
     assert gate.depth("mtp", 8) == 3
@@ -178,7 +178,7 @@ def test_an_ngram_proposal_the_head_wins_over_is_scored_all_the_same():
     keeps learning, so a loop the answer falls into is seen even while the head drafts."""
     from warmspec.core.drafter import Proposal
     from warmspec.core.drafters import CombinedDrafter
-    from warmspec.core.gate import Gate
+    from warmspec.core.gate import Gate, Rates
 
     class Fixed:
         def __init__(self, proposal, params=SamplingParams()):
@@ -193,14 +193,15 @@ def test_an_ngram_proposal_the_head_wins_over_is_scored_all_the_same():
     gate = Gate(CostTable({0: {1: 0.05, 2: 0.055, 8: 0.06}}), max_draft=8)
     short = Proposal(tokens=[1, 2, 3], confidence=0.5, source="request")
     b = gate.bin(0.5, "request")
-    gate.rate[b] = 0.1  # a short match, estimated hopeless: gated off
+    gate.rate[b] = Rates(0.1, 0.1)  # a short match, estimated hopeless: gated off
     head = Proposal(tokens=[], confidence=0.5, source="mtp", device=mx.array([4, 5]))
     combined = CombinedDrafter(Fixed(short), Fixed(head), gate, lambda: 0)
     assert combined.propose(8) is head
     gate.settle([1, 2, 9])  # two of n-gram's tokens came, then another
-    assert gate.rate[b] == pytest.approx(0.9 * (0.9 * (0.9 * 0.1 + 0.1) + 0.1))
+    scored = Rates(0.9 * 0.1 + 0.1, 0.9 * (0.9 * 0.1 + 0.1))  # first right; then one right, one wrong
+    assert gate.rate[b] == pytest.approx(scored)
     gate.settle([7])  # nothing is left to score twice
-    assert gate.rate[b] == pytest.approx(0.9 * (0.9 * (0.9 * 0.1 + 0.1) + 0.1))
+    assert gate.rate[b] == pytest.approx(scored)
 
 
 def test_tapping_the_hidden_state_adds_no_parameter():

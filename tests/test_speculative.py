@@ -612,3 +612,33 @@ def test_a_prediction_is_drafted_from_the_first_token():
     out = [t for new in engine.generate_tokens(prompt, run, prediction=wrong) for t in new]
     assert out == plain
     assert run.stats.sources["prediction"].accepted == 0 < run.stats.sources["prediction"].drafted
+
+
+def test_a_drafts_first_token_and_the_rest_are_estimated_apart():
+    """The gate keeps two rates per bin: of a proposal's first token, and of each later one after
+    an accepted one. A source right at the first token one time in four, but then right on
+    (prose copying a phrase), is worth a long draft where a wide pass costs little more than a
+    narrow one; one per-token rate, pulled down by every first-token miss, kept such drafts at two
+    tokens. And a source whose first tokens are rarely right is not drafted from however long its
+    lucky runs are."""
+    from warmspec.core.gate import Gate, Rates
+
+    costs = {0: {1: 0.05, 2: 0.058, 8: 0.078}}  # a two-wide pass 1.16x one, eight-wide 1.56x
+    bursty = Gate(CostTable(costs), max_draft=8)
+    for _ in range(10):  # one proposal in four right (both drafts), three wrong from the first
+        bursty.observe(0.5, 2, 2, source="s")
+        for _ in range(3):
+            bursty.observe(0.5, 2, 0, source="s")
+    rates = bursty.acceptance(0.5, "s")
+    assert 0.2 < rates.first < 0.3 and rates.cont > 0.8  # from the prior, 0.5, after 10 hits
+    assert bursty.choose(8, 0.5, source="s") >= 6
+    assert bursty.value(8, 0.5, source="s")[1] > 1.5 / 0.078  # 1.9 tokens for a 1.56x pass
+
+    rare = Gate(CostTable(costs), max_draft=8)
+    for _ in range(5):  # one proposal in ten right at its first token, then six of seven more
+        rare.observe(0.5, 8, 7, source="s")
+        for _ in range(9):
+            rare.observe(0.5, 8, 0, source="s")
+    assert rare.acceptance(0.5, "s").first < 0.15
+    assert rare.choose(8, 0.5, source="s") == 0
+    assert Rates(0.25, 1.0).expected(8) == 3.0 and Rates(0.5, 0.5).expected(2) == 1.75

@@ -148,7 +148,8 @@ class CombinedDrafter:
         gate.observe_source(n.source if n is not None else "ngram", time.perf_counter() - t)
         if n is not None:
             kn, best_value = gate.value(len(n.tokens), n.confidence, ctx, source=n.source)
-            if kn and gate.acceptance(n.confidence, n.source) >= LONG_MATCH_ACCEPTANCE:
+            r = gate.acceptance(n.confidence, n.source)
+            if kn and min(r.first, r.later) >= LONG_MATCH_ACCEPTANCE:
                 return n
             best = n if kn else None
         m = self.mtp.propose(k)  # asks the gate how deep, or whether at all
