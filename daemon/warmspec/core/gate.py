@@ -55,6 +55,22 @@ log = logging.getLogger("warmspec.gate")
 CONFIDENCE_BINS = (0.0, 0.5, 2 / 3, 0.75, 5 / 6, 0.9, 17 / 18, 33 / 34)
 PRIOR_ACCEPTANCE = 0.5
 DECAY = 0.9  # weight of history per observation: a proposal's first token, or a later one
+PROBE_EVERY = 16  # a gated-off bin is retried with one draft token after this many refusals
+HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may cost on average
+# Drafting must beat a plain step by this much. The estimates it is judged by are noisy (an H200's
+# measured table is not even monotone: 4 positions 1.47x one, 16 positions 1.49x), and a marginal
+# call lost more than it won: a list prompt drafting 521 tokens at 18% acceptance ran at 0.89x
+# plain on an H200 with 4-bit weights.
+MARGIN = 1.08
+MAX_SKIP = 16  # at most this many steps pass without a proposal
+# Trying the other kind of plain step (see ``PlainSteps``): first after this many plain steps,
+# then for this many steps every EXPLORE_EVERY (up to MAX_EXPLORE_EVERY when the kinds differ a
+# lot); each kind needs MIN_STEPS timed steps before the measurement overrides the prior.
+EXPLORE_FIRST = 16
+EXPLORE_EVERY = 64
+EXPLORE_STEPS = 4
+MAX_EXPLORE_EVERY = 1024
+MIN_STEPS = 3
 
 
 class Rates(NamedTuple):
@@ -92,22 +108,6 @@ class Rates(NamedTuple):
         for i in range(1, min(accepted + 1, drafted)):  # the later tokens that were judged
             cont = DECAY * (self.first if cont is None else cont) + (1 - DECAY) * (i < accepted)
         return Rates(DECAY * self.first + (1 - DECAY) * (accepted > 0), cont)
-PROBE_EVERY = 16  # a gated-off bin is retried with one draft token after this many refusals
-HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may cost on average
-# Drafting must beat a plain step by this much. The estimates it is judged by are noisy (an H200's
-# measured table is not even monotone: 4 positions 1.47x one, 16 positions 1.49x), and a marginal
-# call lost more than it won: a list prompt drafting 521 tokens at 18% acceptance ran at 0.89x
-# plain on an H200 with 4-bit weights.
-MARGIN = 1.08
-MAX_SKIP = 16  # at most this many steps pass without a proposal
-# Trying the other kind of plain step (see ``PlainSteps``): first after this many plain steps,
-# then for this many steps every EXPLORE_EVERY (up to MAX_EXPLORE_EVERY when the kinds differ a
-# lot); each kind needs MIN_STEPS timed steps before the measurement overrides the prior.
-EXPLORE_FIRST = 16
-EXPLORE_EVERY = 64
-EXPLORE_STEPS = 4
-MAX_EXPLORE_EVERY = 1024
-MIN_STEPS = 3
 
 
 class CostTable:
@@ -359,8 +359,8 @@ class Gate:
     def acceptance(self, confidence: float, source: str = "") -> Rates:
         """The acceptance estimate for a proposal: learned per (source, confidence bin); before a
         bin has seen drafts, the drafter's own confidence (its bin's lower edge), at least
-        ``PRIOR_ACCEPTANCE`` -- so a 40-token match is trusted from the start, and
-        two sources compared before either was verified are compared by what each claims."""
+        ``PRIOR_ACCEPTANCE`` -- so a 40-token match is trusted from the start, and two sources
+        compared before either was verified are compared by what each claims."""
         b = self.bin(confidence, source)
         return self.rate.get(b, Rates(max(CONFIDENCE_BINS[b[1]], PRIOR_ACCEPTANCE)))
 
@@ -424,8 +424,8 @@ class Gate:
             return 0
         if not self.enabled:
             return k_max
-        best_k, _ = self._best(k_max, self.source_rates(source), context, self.host_source.get(source, 0.0),
-                               self.per_token(source))
+        best_k, _ = self._best(k_max, self.source_rates(source), context,
+                               self.host_source.get(source, 0.0), self.per_token(source))
         if best_k:
             self.unasked[source] = 0
             return best_k
