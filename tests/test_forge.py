@@ -114,6 +114,37 @@ def test_resume_continues_where_the_run_stopped(forged, tmp_path, monkeypatch):
                     tmp_path / "b.ckpt.safetensors", resume=True)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_unrolled_depths_are_what_the_head_computes_when_it_drafts(arch):
+    """Training at depth d must see what drafting sees: the head's cache holding the pairs 0..j and
+    its own depths 1..d-1 at j. Depth by depth, ``unrolled`` matches the head run incrementally on
+    its cache, at every j (a mask or RoPE offset off by one fails here)."""
+    lm = tiny.build(arch)
+    head = forge.new_head(lm, np.arange(64, dtype=np.int32), "random", 3)
+    rng = np.random.default_rng(1)
+    C = 9
+    hidden = mx.array(rng.standard_normal((1, C, lm.model.args.hidden_size)).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 256, (1, C)))
+    outs = forge.unrolled(head, hidden, tokens, 3)
+    assert [o[0].shape[1] for o in outs] == [C, C - 1, C - 2]
+    for j in range(C - 2):
+        cache = head.make_cache()
+        logits, g = head(hidden[:, :j + 1], tokens[:, :j + 1], cache)
+        np.testing.assert_allclose(np.array(outs[0][0][0, j]), np.array(logits[0, j]), atol=2e-4, rtol=2e-4)
+        g = g[:, j:]
+        for d in (1, 2):
+            logits, g = head(g, tokens[:, j + d:j + d + 1], cache)
+            np.testing.assert_allclose(np.array(outs[d][0][0, j]), np.array(logits[0, 0]), atol=2e-4, rtol=2e-4)
+            np.testing.assert_allclose(np.array(outs[d][1][0, j]), np.array(g[0, 0]), atol=2e-4, rtol=2e-4)
+
+
+def test_unrolled_training_runs_and_is_recorded(forged, tmp_path):
+    lm, root, _ = forged
+    cfg = replace(CFG, unroll=3)
+    recipe = forge.forge(lm, tmp_path / "u.safetensors", cfg, cache=root / "cache", texts=texts())
+    assert recipe["training"]["unroll"] == 3 and np.isfinite(recipe["training"]["final_loss"])
+
+
 def test_tampered_head_is_refused(forged, tmp_path):
     lm, root, _ = forged
     for suffix in (".safetensors", ".json"):
@@ -226,6 +257,7 @@ def test_forge_defaults_are_the_shipped_heads_recipe():
 
     trained = mtp.read_recipe(heads.DEFAULT_HEAD)["training"]
     defaults = asdict(forge.Config())
+    trained.setdefault("unroll", 1)  # recorded since the option exists
     assert {k: trained[k] for k in defaults if k in trained} == {k: v for k, v in defaults.items() if k in trained}
     assert set(defaults) - set(trained) == {"eval_positions"}
 
