@@ -99,11 +99,13 @@ def test_resume_continues_where_the_run_stopped(forged, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         forge.train(first, win, cfg, tmp_path / "b.ckpt.safetensors", resume=False)
     monkeypatch.setattr(forge, "batch_at", real_batch)
-    assert json.loads((tmp_path / "b.ckpt.json").read_text())["step"] == 4
+    before = json.loads((tmp_path / "b.ckpt.json").read_text())
+    assert before["step"] == 4 and before["train_s"] >= 0
 
     resumed = forge.new_head(lm, vocab, cfg.init, cfg.seed)
     out = forge.train(resumed, win, cfg, tmp_path / "b.ckpt.safetensors", resume=True)
     assert out["resumed_from_step"] == 4
+    assert out["train_s"] >= before["train_s"]  # the interrupted run's time is counted too
     a, b = dict(whole.parameters()["layers"][0]["mlp"]), dict(resumed.parameters()["layers"][0]["mlp"])
     np.testing.assert_allclose(np.array(a["up_proj"]["weight"]), np.array(b["up_proj"]["weight"]), atol=1e-5)
     np.testing.assert_allclose(np.array(whole.fc.weight), np.array(resumed.fc.weight), atol=1e-5)
