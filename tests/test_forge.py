@@ -22,7 +22,8 @@ from warmspec.core.engine import Engine, Finished
 from warmspec.core.types import SamplingParams
 
 CFG = forge.Config(prose=0, code=0, answers=0, answer_tokens=16, window=128, top_k=4, vocab=48,
-                   steps=6, batch=4, crop=24, warmup=2, eval_positions=12, gen_batch=4, pass_batch=4)
+                   steps=6, batch=4, crop=24, warmup=2, eval_positions=12, gen_batch=4, pass_batch=4,
+                   unseen=3)
 
 
 def texts() -> list[tuple[str, str, str]]:
@@ -61,6 +62,7 @@ def test_forge_writes_a_head_that_loads_with_its_recipe(forged):
         by_depth = ev[name]["accepted_by_depth"]
         assert all(a >= b for a, b in zip(by_depth, by_depth[1:]))  # cumulative: never rises
     assert set(ev["draft_vocab_coverage"]) >= {"prose", "answers"}
+    assert ev["unseen"]["positions"] > 0 and len(ev["unseen"]["accepted_by_depth"]) == forge.DEPTHS
     assert recipe["sha256"] == fetch.sha256_file(root / "head.safetensors")
     assert recipe["wall_s"]["total"] > 0 and recipe["device"]["device"]
     assert recipe["file_bytes"] == (root / "head.safetensors").stat().st_size
@@ -145,6 +147,31 @@ def test_unrolled_training_runs_and_is_recorded(forged, tmp_path):
     cfg = replace(CFG, unroll=3)
     recipe = forge.forge(lm, tmp_path / "u.safetensors", cfg, cache=root / "cache", texts=texts())
     assert recipe["training"]["unroll"] == 3 and np.isfinite(recipe["training"]["final_loss"])
+
+
+def test_unseen_prompts_share_no_template_or_topic_with_training_nor_the_bench():
+    """The unseen set is what forge reports as a user's prompts: none of its phrasings or topics
+    may be one the training answers used, and none of its prompts one the bench measures."""
+    unseen = forge.unseen_prompts(1000)
+    assert len(unseen) == len(set(unseen)) == len(forge.UNSEEN_TEMPLATES) * len(forge.UNSEEN_TOPICS)
+    assert not set(forge.UNSEEN_TOPICS) & set(forge.TOPICS)
+    assert not set(forge.UNSEEN_TEMPLATES) & set(forge.TEMPLATES)
+    trained = set(forge.prompts(10 ** 6, 0))
+    assert not trained & set(unseen)
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    for f in root.glob("bench/*.jsonl"):
+        for line in f.read_text().splitlines():
+            assert json.loads(line)["messages"][-1]["content"] not in unseen
+
+
+def test_check_measures_a_head_on_the_unseen_set_without_training(forged, tmp_path):
+    lm, root, recipe = forged
+    out = forge.check(lm, root / "head.safetensors", CFG, cache=root / "cache")
+    assert out["unseen"] == recipe["evaluation"]["unseen"]  # the same answers, the same head
+    other = tiny.build("qwen3")
+    with pytest.raises(mtp.MTPError):
+        forge.check(other, root / "head.safetensors", CFG, cache=tmp_path)
 
 
 def test_tampered_head_is_refused(forged, tmp_path):
@@ -261,7 +288,7 @@ def test_forge_defaults_are_the_shipped_heads_recipe():
     defaults = asdict(forge.Config())
     trained.setdefault("unroll", 1)  # recorded since the option exists
     assert {k: trained[k] for k in defaults if k in trained} == {k: v for k, v in defaults.items() if k in trained}
-    assert set(defaults) - set(trained) == {"eval_positions"}
+    assert set(defaults) - set(trained) == set(forge.EVALUATION_ONLY)
 
 
 @needs_head

@@ -110,6 +110,7 @@ class Config:
     precision: str = "float16"
     unroll: int = 1         # depths trained on the head's own state (1: teacher-forced only)
     eval_positions: int = 192  # positions per held-back set for acceptance by depth
+    unseen: int = 48        # prompts of the unseen set (templates and topics not trained on)
     gen_batch: int = 64
     pass_batch: int = 8
 
@@ -322,6 +323,36 @@ def prompts(n: int, seed: int) -> list[str]:
     pairs = [(t, s) for t in TEMPLATES for s in TOPICS]
     random.Random(seed).shuffle(pairs)
     return [t.format(t=s) for t, s in pairs[:n]]
+
+
+# The unseen set: phrasings and topics that appear nowhere in TEMPLATES / TOPICS (nor in the
+# bench's prompt files). The held-back answers share their templates and topics with the
+# training answers (only the pairs differ), and overstate what a user's prompts get: the shipped
+# head's first draft was right 58% of the time there and 49% on the outputs of our own 24 prose
+# prompts and the public 10 (docs/bench/cpu-s30).
+UNSEEN_TEMPLATES = (
+    "I'm preparing a short talk on {t}. Which points should I cover?",
+    "Could you tell a short story in which {t} plays a part?",
+    "My friend doesn't understand {t}. How would you explain it to them?",
+    "Draft an email to a colleague about {t}.",
+    "What would a typical day look like for someone whose work involves {t}?",
+    "Write a brief report on {t} for a club newsletter.",
+    "What are three myths about {t}, and what is actually true?",
+    "Give me a short history of {t}.",
+)
+UNSEEN_TOPICS = (
+    "public fountains", "paper airplanes", "the history of maps", "tea ceremonies",
+    "sailing a small boat", "fixing a leaky tap", "learning to juggle", "flying a kite",
+    "vintage typewriters", "a school science fair", "night skies in the desert", "origami",
+)
+
+
+def unseen_prompts(n: int) -> list[str]:
+    """``n`` (at most 96) distinct prompts of the unseen set: prompt k pairs template k mod 8 with
+    topic (k + k // 24) mod 12, so every template and topic comes round in turn."""
+    T, S = UNSEEN_TEMPLATES, UNSEEN_TOPICS
+    n = min(n, len(T) * len(S))
+    return [T[k % len(T)].format(t=S[(k + k // 24) % len(S)]) for k in range(n)]
 
 
 def generate_answers(lm: "LoadedModel", texts: Sequence[str], max_tokens: int, batch: int,
@@ -795,6 +826,51 @@ def evaluate(head: "MTPHead", lm: "LoadedModel", win: Windows, rows: np.ndarray,
             "depth_positions": n}
 
 
+EVALUATION_ONLY = ("eval_positions", "unseen")  # Config fields that decide no weights
+
+
+def evaluate_unseen(head: "MTPHead", lm: "LoadedModel", cfg: Config, cache: Path, target_sha: str
+                    ) -> dict[str, Any] | None:
+    """Acceptance by depth on the target's answers to the unseen set (``unseen_prompts``): no
+    template or topic of it was trained on, so this is the number to expect on a user's prompts.
+    Its answers and target pass are cached as the training data's are."""
+    asks = unseen_prompts(cfg.unseen)
+    if not asks:
+        return None
+    key = _key(target_sha, cfg.answer_tokens)
+    docs = []
+    for prompt, p_ids, a_ids in generate_answers(lm, asks, cfg.answer_tokens, cfg.gen_batch,
+                                                 cache / f"unseen-{key}.jsonl"):
+        ids = (p_ids + a_ids)[:cfg.window]
+        if len(ids) > len(p_ids) + 1:
+            docs.append(Doc("answers", f"unseen:{prompt}", ids, start=len(p_ids), held=True))
+    if not docs:
+        return None
+    win = target_pass(lm, docs, cfg, cache, target_sha)
+    return evaluate(head, lm, win, win.index(), cfg.eval_positions, cfg.seed)
+
+
+def check(lm: "LoadedModel", head_path: Path, cfg: Config, *, cache: Path | None = None) -> dict[str, Any]:
+    """``warmspec forge --check HEAD``: a head's acceptance by depth on the unseen set, without
+    training anything (the target answers ``cfg.unseen`` prompts: minutes on a CPU)."""
+    from . import fetch
+    from .core.mtp import load_mtp, target_identity
+
+    cache = Path(cache) if cache is not None else fetch.cache_dir() / "forge"
+    cache.mkdir(parents=True, exist_ok=True)
+    head = load_mtp(Path(head_path), lm)
+    e = evaluate_unseen(head, lm, cfg, cache, target_identity(lm)["sha256"])
+    if e is not None:
+        _log_eval("unseen", e)
+    return {"unseen": e}
+
+
+def _log_eval(name: str, e: dict[str, Any]) -> None:
+    log(f"held back, {name}: depth-1 agreement {e['depth1_teacher_forced']:.1%} over "
+        f"{e['positions']} positions; accepted by depth "
+        + " / ".join(f"{a:.1%}" for a in e["accepted_by_depth"]) + f" ({e['depth_positions']} drafts)")
+
+
 # -- the whole run ---------------------------------------------------------------------------------
 
 def forge(lm: "LoadedModel", out: Path, cfg: Config, *, cache: Path | None = None, resume: bool = False,
@@ -851,7 +927,7 @@ def forge(lm: "LoadedModel", out: Path, cfg: Config, *, cache: Path | None = Non
                       "held_back_tokens": sum(len(d.tokens) for d in ks if d.held)}
     dtype = getattr(mx, cfg.precision)
     recipe: dict[str, Any] = {"target": identity, "data": data, "training": {
-        **{k: v for k, v in asdict(cfg).items() if k not in ("eval_positions",)}, **trained}}
+        **{k: v for k, v in asdict(cfg).items() if k not in EVALUATION_ONLY}, **trained}}
     save_mtp(head, out, dtype=dtype, **recipe)  # saved first: the evaluation reads it back
 
     t = time.perf_counter()
@@ -866,10 +942,11 @@ def forge(lm: "LoadedModel", out: Path, cfg: Config, *, cache: Path | None = Non
     for name, rows in sets.items():
         if len(rows):
             evaluation[name] = evaluate(stored, lm, win, rows, cfg.eval_positions, cfg.seed)
-            e = evaluation[name]
-            log(f"held back, {name}: depth-1 agreement {e['depth1_teacher_forced']:.1%} over "
-                f"{e['positions']} positions; accepted by depth "
-                + " / ".join(f"{a:.1%}" for a in e["accepted_by_depth"]) + f" ({e['depth_positions']} drafts)")
+            _log_eval(name, evaluation[name])
+    unseen = evaluate_unseen(stored, lm, cfg, cache, identity["sha256"])
+    if unseen is not None:
+        evaluation["unseen"] = unseen
+        _log_eval("unseen", unseen)
     for kind in ("prose", "code"):
         rows = win.index(kind=kind, held=True)
         if len(rows):
@@ -914,7 +991,10 @@ def add_parser(subparsers) -> None:
                     "OUT (.safetensors) and its recipe OUT.json with held-back acceptance. The defaults "
                     "are the shipped head's recipe.")
     p.add_argument("--model", "-m", default=None)
-    p.add_argument("--out", type=Path, required=True, metavar="HEAD.safetensors")
+    p.add_argument("--out", type=Path, metavar="HEAD.safetensors")
+    p.add_argument("--check", type=Path, default=None, metavar="HEAD",
+                   help="train nothing: print HEAD's acceptance by depth on the unseen set (prompts "
+                        "whose templates and topics no training answer used)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--data", type=parse_data, default={},
@@ -935,8 +1015,12 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_forge(args: argparse.Namespace) -> int:
+    from .core.mtp import MTPError
     from .model import ModelError, load
 
+    if args.out is None and args.check is None:
+        print("warmspec forge: --out HEAD.safetensors is required (or --check HEAD)", file=sys.stderr)
+        return 2
     cfg = replace(Config(), steps=args.steps, seed=args.seed, vocab=args.vocab, lr=args.lr,
                   batch=args.batch, unroll=args.unroll, init=args.init, precision=args.precision, **args.data)
     try:
@@ -946,6 +1030,14 @@ def cmd_forge(args: argparse.Namespace) -> int:
     except ModelError as e:
         print(f"warmspec: {e}", file=sys.stderr)
         return 1
+    if args.check is not None:
+        try:
+            result = check(lm, args.check, cfg, cache=args.cache)
+        except MTPError as e:
+            print(f"warmspec: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(result, indent=1))
+        return 0
     command = "warmspec forge " + " ".join(sys.argv[sys.argv.index("forge") + 1:]) if "forge" in sys.argv else None
     recipe = forge(lm, args.out, cfg, cache=args.cache, resume=args.resume, command=command)
     print(json.dumps(recipe["evaluation"], indent=1))
