@@ -174,29 +174,6 @@ def test_check_measures_a_head_on_the_unseen_set_without_training(forged, tmp_pa
         forge.check(other, root / "head.safetensors", CFG, cache=tmp_path)
 
 
-@pytest.mark.parametrize("unroll", [1, 3])
-def test_compiled_training_follows_the_uncompiled_one(forged, tmp_path, unroll):
-    """``--compile`` changes how a step is launched, not what it computes: the same batches give
-    the same weights to float tolerance, with the head's own depths trained or not."""
-    lm, root, _ = forged
-    cfg = replace(CFG, steps=5, unroll=unroll)
-    sha = mtp.target_identity(lm)["sha256"]
-    win = forge.target_pass(lm, forge.collect(lm, cfg, root / "cache", sha, texts=texts()), cfg,
-                            root / "cache", sha)
-    vocab = forge.choose_vocab(win, cfg.vocab, 256)
-    heads_ = []
-    for compiled in (False, True):
-        head = forge.new_head(lm, vocab, cfg.init, cfg.seed)
-        out = forge.train(head, win, replace(cfg, compile=compiled), tmp_path / f"{compiled}.ckpt.safetensors",
-                          resume=False)
-        heads_.append((head, out))
-    (a, out_a), (b, out_b) = heads_
-    assert out_a["final_loss"] == pytest.approx(out_b["final_loss"], rel=1e-4)
-    np.testing.assert_allclose(np.array(a.fc.weight), np.array(b.fc.weight), atol=1e-5)
-    start = forge.new_head(lm, vocab, cfg.init, cfg.seed)
-    assert not np.allclose(np.array(start.fc.weight), np.array(b.fc.weight), atol=1e-6)  # it trained
-
-
 def test_tampered_head_is_refused(forged, tmp_path):
     lm, root, _ = forged
     for suffix in (".safetensors", ".json"):
@@ -309,8 +286,7 @@ def test_forge_defaults_are_the_shipped_heads_recipe():
 
     trained = mtp.read_recipe(heads.DEFAULT_HEAD)["training"]
     defaults = asdict(forge.Config())
-    trained.setdefault("unroll", 1)  # recorded since these options exist
-    trained.setdefault("compile", False)
+    trained.setdefault("unroll", 1)  # recorded since the option exists
     assert {k: trained[k] for k in defaults if k in trained} == {k: v for k, v in defaults.items() if k in trained}
     assert set(defaults) - set(trained) == set(forge.EVALUATION_ONLY)
 

@@ -109,7 +109,6 @@ class Config:
     init: str = "last-layer"  # or "random"
     precision: str = "float16"
     unroll: int = 1         # depths trained on the head's own state (1: teacher-forced only)
-    compile: bool = False   # trace each training step into one compiled graph (mx.compile)
     eval_positions: int = 192  # positions per held-back set for acceptance by depth
     unseen: int = 48        # prompts of the unseen set (templates and topics not trained on)
     gen_batch: int = 64
@@ -734,26 +733,13 @@ def train(head: "MTPHead", win: Windows, cfg: Config, ckpt: Path, *, resume: boo
         return loss
 
     grad_fn = nn.value_and_grad(head, loss_fn)
-
-    def update(*batch):
-        loss, grads = grad_fn(head, *batch)
-        opt.update(head, grads)
-        return loss
-
-    if cfg.compile:
-        # one traced graph per step instead of some hundreds of small launches, for devices where
-        # a step is launch-bound (the H200 ran the shipped recipe at 0.02-0.03 s a step; not yet
-        # measured compiled). The same maths, fused: not promised bit-identical to an uncompiled
-        # run. On this 2-core CPU, compute-bound, 12 steps took 2.7 s each without and 3.4 s with
-        # (the compilation included), and ended on the same loss.
-        state = [head.state, opt.state]
-        update = mx.compile(update, inputs=state, outputs=state)
     t0 = time.perf_counter()
     losses: list[float] = []
     queued: list[Any] = []
     first = step
     while step < cfg.steps:
-        loss = update(*map(mx.array, batch_at(win, rows, vocab_index, cfg, step)))
+        loss, grads = grad_fn(head, *map(mx.array, batch_at(win, rows, vocab_index, cfg, step)))
+        opt.update(head, grads)
         mx.async_eval(head.parameters(), opt.state, loss)
         queued.append(loss)
         step += 1
@@ -1021,8 +1007,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--vocab", type=int, default=d.vocab, help="draft vocabulary size")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--compile", action="store_true", default=d.compile,
-                   help="compile each training step (mx.compile): fewer launches where steps are short")
     p.add_argument("--unroll", type=int, default=d.unroll,
                    help="depths trained on the head's own state, as it drafts (1: the first only)")
     p.add_argument("--init", choices=("last-layer", "random"), default=d.init)
@@ -1038,7 +1022,7 @@ def cmd_forge(args: argparse.Namespace) -> int:
         print("warmspec forge: --out HEAD.safetensors is required (or --check HEAD)", file=sys.stderr)
         return 2
     cfg = replace(Config(), steps=args.steps, seed=args.seed, vocab=args.vocab, lr=args.lr,
-                  batch=args.batch, unroll=args.unroll, compile=args.compile, init=args.init, precision=args.precision, **args.data)
+                  batch=args.batch, unroll=args.unroll, init=args.init, precision=args.precision, **args.data)
     try:
         # float32 on every device: the head starts as a float copy of the target's last layer, and
         # the labels are the same on a GPU (4-bit as stored) and on a CPU (dequantized anyway).
