@@ -27,7 +27,8 @@ Costs that decide the shape (2-core CPU, OpenBLAS, float32, the default model):
 Training: Adam with warm-up and cosine decay; batches are a pure function of (seed, step), so a
 run resumed from its checkpoint (weights, optimizer state, step: ``OUT.ckpt.safetensors``) sees
 the same batches as one that was not interrupted. The head starts from a copy of the target's
-last decoder layer (measured: faster to a given acceptance than a random init).
+last decoder layer (measured: faster to a given acceptance than a random init). ``--unroll N``
+also trains depths 2..N on the head's own state, as it drafts (``unrolled``).
 
 Evaluation on the held-back windows, with the head as stored (float16, loaded back through
 ``load_mtp``): depth-1 agreement teacher-forced over every position (answers: their answer
@@ -35,6 +36,9 @@ positions only, the head's cache starting at the first answer token as in the en
 vocabulary's coverage, and acceptance by depth 1..4 exactly as greedy verification would judge it:
 at sampled positions the head drafts 4 tokens feeding back its own outputs, and one target pass
 over them (on the window's KV cache, trimmed back to the position) gives the target's choices.
+The same acceptance by depth on the unseen set (``unseen_prompts``: phrasings and topics no
+training answer used) is the figure to expect on a user's prompts; ``--check HEAD`` measures
+just that.
 
 Nothing here imports MLX at module level: the CLI imports this module before it re-executes
 itself on OpenBLAS.
