@@ -429,13 +429,22 @@ def collect(lm: "LoadedModel", cfg: Config, cache: Path, target_sha: str, *,
                      random.Random(f"{cfg.seed}:code"), check=lambda s: len(s) >= 400)
         asks = prompts(cfg.answers, cfg.seed)
     if asks:
-        key = _key(target_sha, cfg.answer_tokens)
-        for prompt, p_ids, a_ids in generate_answers(lm, asks, cfg.answer_tokens, cfg.gen_batch,
-                                                     cache / f"answers-{key}.jsonl"):
-            ids = (p_ids + a_ids)[:cfg.window]
-            if len(ids) > len(p_ids) + 1:
-                docs.append(Doc("answers", f"prompt:{prompt}", ids, start=len(p_ids),
-                                held=held_back(f"prompt:{prompt}")))
+        docs += answer_docs(lm, asks, cfg, cache / f"answers-{_key(target_sha, cfg.answer_tokens)}.jsonl",
+                            "prompt")
+    return docs
+
+
+def answer_docs(lm: "LoadedModel", asks: Sequence[str], cfg: Config, path: Path, prefix: str,
+                held: bool | None = None) -> list[Doc]:
+    """The target's answers to ``asks`` (cached in ``path``) as documents named ``prefix:prompt``,
+    the prompt as context; held back by the name's hash unless ``held`` says."""
+    docs = []
+    for prompt, p_ids, a_ids in generate_answers(lm, asks, cfg.answer_tokens, cfg.gen_batch, path):
+        ids = (p_ids + a_ids)[:cfg.window]
+        if len(ids) > len(p_ids) + 1:
+            name = f"{prefix}:{prompt}"
+            docs.append(Doc("answers", name, ids, start=len(p_ids),
+                            held=held_back(name) if held is None else held))
     return docs
 
 
@@ -654,8 +663,7 @@ def unrolled(head: "MTPHead", hidden: "mx.array", tokens: "mx.array", depths: in
         L = C - d
         if L <= 0:
             break
-        e = head.pre_fc_norm_embedding(head.parts.embed(tokens[:, d:]))
-        x = head.fc(mx.concatenate([e, head.pre_fc_norm_hidden(state[:, :L])], axis=-1))
+        x = head.fuse(state[:, :L], tokens[:, d:])
         n = layer.input_layernorm(x)
         q = attn.q_proj(n).reshape(B, L, attn.n_heads, -1)
         k = attn.k_proj(n).reshape(B, L, attn.n_kv_heads, -1)
@@ -675,9 +683,8 @@ def unrolled(head: "MTPHead", hidden: "mx.array", tokens: "mx.array", depths: in
         a = mx.fast.scaled_dot_product_attention(q, ks, vs, scale=attn.scale, mask=mask)
         h = x + attn.o_proj(a.transpose(0, 2, 1, 3).reshape(B, L, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        g = head.norm(h) if "norm" in head else head.parts.norm(h)
-        out.append((head.score(g), g))
-        state = g
+        logits, state = head.finish(h)
+        out.append((logits, state))
     return out
 
 
@@ -841,13 +848,8 @@ def evaluate_unseen(head: "MTPHead", lm: "LoadedModel", cfg: Config, cache: Path
     asks = unseen_prompts(cfg.unseen)
     if not asks:
         return None
-    key = _key(target_sha, cfg.answer_tokens)
-    docs = []
-    for prompt, p_ids, a_ids in generate_answers(lm, asks, cfg.answer_tokens, cfg.gen_batch,
-                                                 cache / f"unseen-{key}.jsonl"):
-        ids = (p_ids + a_ids)[:cfg.window]
-        if len(ids) > len(p_ids) + 1:
-            docs.append(Doc("answers", f"unseen:{prompt}", ids, start=len(p_ids), held=True))
+    docs = answer_docs(lm, asks, cfg, cache / f"unseen-{_key(target_sha, cfg.answer_tokens)}.jsonl",
+                       "unseen", held=True)
     if not docs:
         return None
     win = target_pass(lm, docs, cfg, cache, target_sha)
@@ -857,16 +859,23 @@ def evaluate_unseen(head: "MTPHead", lm: "LoadedModel", cfg: Config, cache: Path
 def check(lm: "LoadedModel", head_path: Path, cfg: Config, *, cache: Path | None = None) -> dict[str, Any]:
     """``warmspec forge --check HEAD``: a head's acceptance by depth on the unseen set, without
     training anything (the target answers ``cfg.unseen`` prompts: minutes on a CPU)."""
-    from . import fetch
     from .core.mtp import load_mtp, target_identity
 
-    cache = Path(cache) if cache is not None else fetch.cache_dir() / "forge"
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _cache_dir(cache)
     head = load_mtp(Path(head_path), lm)
     e = evaluate_unseen(head, lm, cfg, cache, target_identity(lm)["sha256"])
     if e is not None:
         _log_eval("unseen", e)
     return {"unseen": e}
+
+
+def _cache_dir(cache: Path | None) -> Path:
+    """Where answers and target passes are kept: ``cache``, else forge/ in the warmspec cache."""
+    from . import fetch
+
+    cache = Path(cache) if cache is not None else fetch.cache_dir() / "forge"
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
 def _log_eval(name: str, e: dict[str, Any]) -> None:
@@ -885,15 +894,12 @@ def forge(lm: "LoadedModel", out: Path, cfg: Config, *, cache: Path | None = Non
     from . import bench
     from .core.mtp import load_mtp, save_mtp, target_identity
 
-    from . import fetch
-
     t_start = time.perf_counter()
     out = Path(out)
     if out.suffix != ".safetensors":
         raise ValueError(f"{out}: the head file must end in .safetensors")
     out.parent.mkdir(parents=True, exist_ok=True)
-    cache = Path(cache) if cache is not None else fetch.cache_dir() / "forge"
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _cache_dir(cache)
     wall: dict[str, float] = {}
     identity = target_identity(lm)
     log(f"target {identity['name']} ({identity['file']}, sha256 {identity['sha256'][:12]}…), "

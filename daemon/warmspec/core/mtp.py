@@ -288,10 +288,17 @@ class MTPHead(nn.Module):
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[Any] | None = None
                  ) -> tuple[mx.array, mx.array]:
-        e = self.pre_fc_norm_embedding(self._parts.embed(tokens))
-        x = self.fc(mx.concatenate([e, self.pre_fc_norm_hidden(hidden)], axis=-1))
+        x = self.fuse(hidden, tokens)
         c = cache[0] if cache is not None else None
-        x = self.layers[0](x, create_attention_mask(x, c), c)
+        return self.finish(self.layers[0](x, create_attention_mask(x, c), c))
+
+    def fuse(self, hidden: mx.array, tokens: mx.array) -> mx.array:
+        """The decoder layer's input: the token's embedding and the hidden state, normed, joined."""
+        e = self.pre_fc_norm_embedding(self._parts.embed(tokens))
+        return self.fc(mx.concatenate([e, self.pre_fc_norm_hidden(hidden)], axis=-1))
+
+    def finish(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The decoder layer's output normed (``hidden_out``) and scored."""
         g = self.norm(x) if "norm" in self else self._parts.norm(x)
         return self.score(g), g
 
