@@ -642,3 +642,79 @@ def test_a_drafts_first_token_and_the_rest_are_estimated_apart():
     assert rare.acceptance(0.5, "s").first < 0.15
     assert rare.choose(8, 0.5, source="s") == 0
     assert Rates(0.25, 1.0).expected(8) == 3.0 and Rates(0.5, 0.5).expected(2) == 1.75
+
+
+class SlowWide:
+    """The model, holding the host ``delay`` seconds before every pass wider than one position
+    (prefill chunks and verify passes): drafting that costs more than it saves."""
+
+    def __init__(self, model, delay):
+        self._model = model
+        self.delay = delay
+
+    def __call__(self, inputs, *args, **kwargs):
+        import time
+
+        if inputs.shape[-1] > 1:
+            time.sleep(self.delay)
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_the_ledger_pauses_drafting_that_loses_time_whatever_the_gate_estimates():
+    """The gate's choice is forced to draft 4 at every proposal (estimates that are wrong), and
+    every verify pass costs 50 ms more than a plain step: the request's ledger sees the time
+    lost and pauses drafting, for longer each time, so only a few drafting steps are run. Its
+    tokens are plain's. Without the ledger every step drafts."""
+    lm = tiny.build("llama")
+    prompt = list(range(3, 30))
+    plain, _ = decode(lm, prompt, 160)
+
+    def run(ledger):
+        costs = CostTable({0: {1: 0.002, 2: 0.002, 8: 0.002}}, {0: 0.002})
+        engine = Engine(lm, speculate=True, costs=costs)  # observing costs and host time: real clocks
+        engine.gate.choose = lambda available, *a, **k: min(available, 4)
+        if not ledger:
+            engine.gate.observe_step = lambda *a, **k: None
+        engine.model = SlowWide(engine.model, 0.05)
+        drafter = ScriptedDrafter(prompt, plain, wrong_every=2, k=4, vocab=tiny.VOCAB)
+        out, stats = decode(lm, prompt, 160, drafter=drafter, speculate=True, engine=engine)
+        assert out == plain
+        return stats, engine.gate.ledger
+
+    stats, ledger = run(True)
+    assert ledger.pauses >= 2 and stats.paused_steps == ledger.paused >= 60
+    assert stats.draft_passes <= 4 * ledger.pauses  # each trial: the drafting steps it needed
+    unguarded, _ = run(False)
+    assert unguarded.paused_steps == 0 and unguarded.draft_passes >= 40
+
+
+def test_the_ledger_books_time_saved_and_lost():
+    """A step of 4 drafted tokens in the time of 2 plain steps saves 2 steps; a proposal gated
+    off costs its host time; one slow drafting step alone is noise and starts no pause; losses
+    past both bounds (2% of the decode time, 3 plain steps from where drafting resumed) over 3
+    drafting steps do, for 16 steps, then 32; a trial after a pause is judged from where it
+    started."""
+    from warmspec.core.gate import Ledger
+
+    led, plain = Ledger(), 0.01
+    assert not led.book(4 * plain - 0.02, 0.02, plain, True) and led.balance == pytest.approx(0.02)
+    led.charge(0.001)
+    assert led.balance == pytest.approx(0.019)
+    assert not led.book(0.0, 0.01, plain, False)  # a plain step books nothing
+    assert not led.book(plain - 0.05, 0.05, plain, True)  # one slow step: -0.021, 2 drafts
+    assert not led.book(plain - 0.015, 0.015, plain, True) and led.drafts == 3
+    assert led.balance == pytest.approx(-0.026)  # within 3 plain steps
+    assert led.book(plain - 0.02, 0.02, plain, True)  # -0.036: past 3 steps and 2% of 0.115 s
+    assert led.left == 16 and led.pauses == 1
+    for _ in range(16):
+        assert led.hold()
+        assert not led.book(0.0, 0.01, plain, False)
+    assert not led.hold() and led.paused == 16 and led.drafts == 0
+    assert led.start == pytest.approx(-0.036)  # past 2% of the 0.275 s booked: the trial's bound
+    for _ in range(2):  # the trial loses 2.5 steps over two drafting steps: not yet
+        assert not led.book(-0.0125, 0.0125, plain, True)
+    assert led.book(plain - 0.016, 0.016, plain, True)  # 3 drafts, 3.1 steps lost
+    assert led.left == 32 and led.pauses == 2

@@ -300,6 +300,7 @@ def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, lis
                 drafted=statistics.median_low(s.drafted for s in st),
                 accepted=statistics.median_low(s.accepted for s in st),
                 gated_steps=statistics.median_low(s.gated_steps for s in st),
+                paused_steps=statistics.median_low(s.paused_steps for s in st),
                 decode_runs=[round(s.decode_s, 6) for s in st],
                 sources=source_counts({n: (c.drafted, c.accepted) for n, c in s.sources.items()} for s in st),
                 prompt_tokens=st[0].prompt_tokens,

@@ -88,6 +88,7 @@ class CaseResult(Struct, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     gated_steps: int = 0
+    paused_steps: int = 0  # steps run without proposing: drafting had cost time (median)
     finish_reason: str = ""
     copy_fraction: float = 0.0
     load_avg: float = 0.0  # 1-minute load average after the case: above the core count, noisy

@@ -37,6 +37,7 @@ class SpeculationStats(Struct, kw_only=True):
     drafted: int
     accepted: int
     gated_steps: int
+    paused_steps: int = 0  # steps run without proposing because drafting had cost time
     tokens_per_pass: float
     acceptance: float
     decode_tok_s: float
@@ -48,7 +49,7 @@ class SpeculationStats(Struct, kw_only=True):
         return cls(prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                    completion_tokens=s.completion_tokens, prefill_s=round(s.prefill_s, 4),
                    decode_s=round(s.decode_s, 4), passes=s.passes, drafted=s.drafted,
-                   accepted=s.accepted, gated_steps=s.gated_steps,
+                   accepted=s.accepted, gated_steps=s.gated_steps, paused_steps=s.paused_steps,
                    tokens_per_pass=round(s.tokens_per_pass, 3), acceptance=round(s.acceptance, 3),
                    decode_tok_s=round(s.decode_tok_s, 2), sources=s.sources)
 

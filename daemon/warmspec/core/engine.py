@@ -547,7 +547,10 @@ class Engine:
         greedy = run.params.greedy
         steps = self.plain_steps if drafter is not None and greedy else None
         if drafter is not None:
-            self.gate.shadow([], 0.0, "")  # none left over from a request cut short
+            self.gate.begin()
+        # greedy steps are booked in the gate's ledger (what drafting saved, by the clock)
+        booked = drafter is not None and greedy and self.observe_costs
+        emitted: float | None = None  # when the last step's tokens were read back
         queued: _Ahead | _Job | None = None  # a pass in flight, not read back yet
         sync_plain = False  # the next step was decided: a synchronous plain step
         first = True
@@ -556,11 +559,13 @@ class Engine:
             while True:
                 # 1. this step's tokens: read the pass in flight, else run one now
                 verified = False  # a pass read synchronously: it pays the time outside it
+                drafting = False  # the step verified drafts
                 if isinstance(queued, _Job):
                     job, queued = queued, None
                     step = self._finish(job, run)
                     synced = None
                     verified = not job.overlapped
+                    drafting = job.draft.width > 0
                 elif isinstance(queued, _Ahead):
                     if steps is not None and not steps.ahead():
                         # back to synchronous steps: read the pass in flight, queue none behind it
@@ -585,6 +590,7 @@ class Engine:
                     sync_plain = False
                     step = self._finish(self._start(pending, draft, run, False), run)
                     verified = True
+                    drafting = draft.width > 0
                     out = time.perf_counter()
                     if steps is not None:
                         if synced is not None and not draft.width:
@@ -592,6 +598,12 @@ class Engine:
                         synced = None if draft.width else out
                 # 2. what it emits, told to the drafter
                 new = self._emit(step, run, drafter)
+                if booked:
+                    now = time.perf_counter()
+                    if emitted is not None:
+                        self.gate.observe_step(len(new), now - emitted, drafting=drafting,
+                                               context=len(self.cache_tokens))
+                    emitted = now
                 if run.budget <= 0:
                     yield new
                     return
@@ -608,6 +620,8 @@ class Engine:
                 if not early and isinstance(queued, _Ahead):
                     queued, sync_plain = self._next(queued, pending, run, drafter, steps)
         finally:
+            if drafter is not None:
+                run.stats.paused_steps = self.gate.ledger.paused
             if isinstance(queued, _Job):  # a pass queued past the answer's end: undo it
                 self.target.keep(queued.pass_, 0, self.cache)
                 queued = queued.head

@@ -63,6 +63,14 @@ HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may co
 # plain on an H200 with 4-bit weights.
 MARGIN = 1.08
 MAX_SKIP = 16  # at most this many steps pass without a proposal
+# The ledger (``Ledger``): what drafting may cost a request, measured, before it is paused; the
+# first pause, in steps (it doubles at each pause of the same request, up to the last); what
+# drafting may lose after it resumes, in plain steps, and over at least how many drafting steps.
+LOSS_SHARE = 0.02
+PAUSE_STEPS = 16
+MAX_PAUSE_STEPS = 1024
+TRIAL_STEPS = 3.0
+TRIAL_DRAFTS = 3
 # Trying the other kind of plain step (see ``PlainSteps``): first after this many plain steps,
 # then for this many steps every EXPLORE_EVERY (up to MAX_EXPLORE_EVERY when the kinds differ a
 # lot); each kind needs MIN_STEPS timed steps before the measurement overrides the prior.
@@ -335,6 +343,66 @@ class PlainSteps:
             self.best = best
 
 
+class Ledger:
+    """What drafting has saved one request so far, by the clock; drafting pauses while it loses.
+
+    Every drafting step is booked at the plain steps its tokens would have taken (``Gate``'s plain
+    step, as the engine runs it) less its own time, read-back to read-back, which holds all it
+    really cost: the pass, proposing, rollback, the consumer's work and any bubble in the
+    pipeline. Every proposal that ended in a plain step is booked at its proposing time. Drafting
+    pauses when the balance is below both ``LOSS_SHARE`` of the request's decode time so far and
+    ``TRIAL_STEPS`` plain steps under where it stood when drafting last resumed, over at least
+    ``TRIAL_DRAFTS`` drafting steps (one slow step is the host's noise, not a trend). The next
+    ``pause`` steps then run plain without proposing, and the pause doubles for the next time.
+
+    Why: the gate decides from estimates -- the cost table, host time, acceptance per bin -- and
+    where they are wrong nothing else notices. On an H200 a prose prompt (own-advice-10) drafted
+    152 tokens at 11% acceptance and ran at 0.87x plain (medians of 3), each draft priced as a
+    gain. The balance bounds the loss whatever went wrong: a request runs at most ``LOSS_SHARE``
+    slower than plain decoding, plus about ``TRIAL_STEPS`` plain steps per resumption (at most
+    log2 of its length over ``PAUSE_STEPS`` of them). Plain steps with no proposal are not
+    booked: they are plain decoding, and their time is the host's noise, not drafting's cost.
+    """
+
+    def __init__(self) -> None:
+        self.balance = 0.0  # seconds drafting has saved (negative: lost)
+        self.elapsed = 0.0  # decode time booked so far
+        self.start = 0.0  # the balance when drafting last resumed
+        self.drafts = 0  # drafting steps booked since then
+        self.left = 0  # steps of the current pause still to run
+        self.pause = PAUSE_STEPS
+        self.pauses = 0
+        self.paused = 0  # steps run without proposing because of a pause
+
+    def charge(self, seconds: float) -> None:
+        """Book time spent proposing for a step that then ran plain."""
+        self.balance -= seconds
+
+    def book(self, saved: float, seconds: float, plain: float, drafting: bool) -> bool:
+        """Book one step that took ``seconds`` and saved ``saved`` (0 for a plain step), a plain
+        step costing ``plain`` now; True when this starts a pause."""
+        self.elapsed += seconds
+        self.balance += saved
+        self.drafts += drafting
+        if self.left or self.drafts < TRIAL_DRAFTS:
+            return False
+        if self.balance >= min(-LOSS_SHARE * self.elapsed, self.start - TRIAL_STEPS * plain):
+            return False
+        self.left, self.pause = self.pause, min(2 * self.pause, MAX_PAUSE_STEPS)
+        self.pauses += 1
+        return True
+
+    def hold(self) -> bool:
+        """Whether this step runs without proposing (a pause); the pause's end starts a trial."""
+        if not self.left:
+            return False
+        self.left -= 1
+        self.paused += 1
+        if not self.left:
+            self.start, self.drafts = self.balance, 0
+        return True
+
+
 class Gate:
     """``enabled=False`` always verifies everything proposed (for measurement and tests)."""
 
@@ -361,6 +429,12 @@ class Gate:
         self.skip = 0  # steps left to pass without proposing
         self._shadow: tuple[list[int], float, str] | None = None  # a proposal not verified (``shadow``)
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
+        self.ledger = Ledger()  # the request's (``begin``)
+
+    def begin(self) -> None:
+        """A request starts: a fresh ledger, and no proposal left over from one cut short."""
+        self.ledger = Ledger()
+        self._shadow = None
 
     @staticmethod
     def bin(confidence: float, source: str = "") -> tuple[str, int]:
@@ -518,7 +592,9 @@ class Gate:
     # -- host time -------------------------------------------------------------------------------
 
     def should_propose(self) -> bool:
-        """False on steps that pass without proposing (see ``observe_host``)."""
+        """False on steps that pass without proposing (see ``observe_host`` and ``Ledger``)."""
+        if self.ledger.hold():
+            return False
         if self.skip > 0:
             self.skip -= 1
             self.skipped += 1
@@ -531,6 +607,19 @@ class Gate:
         ``MAX_SKIP``)."""
         if not self.timed:
             return
+        if not drafting and self.enabled:
+            self.ledger.charge(seconds)
         self.host_s = seconds if self.host_s == 0.0 else 0.9 * self.host_s + 0.1 * seconds
         if not drafting and self.enabled:
             self.skip = min(int(self.host_s / (HOST_SHARE * self.costs.plain(context))), MAX_SKIP)
+
+    def observe_step(self, tokens: int, seconds: float, *, drafting: bool, context: int = 0) -> None:
+        """Book one greedy step in the request's ``Ledger``: ``tokens`` emitted in ``seconds``,
+        read-back to read-back, by a drafting step or a plain one."""
+        if not (self.timed and self.enabled):
+            return
+        plain = self._plain_s(context)
+        saved = tokens * plain - seconds if drafting else 0.0
+        if self.ledger.book(saved, seconds, plain, drafting):
+            log.info("drafting paused for %d steps: it has cost %.1f ms over %.1f ms of decoding",
+                     self.ledger.left, -1e3 * self.ledger.balance, 1e3 * self.ledger.elapsed)

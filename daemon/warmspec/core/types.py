@@ -53,6 +53,7 @@ class GenerationStats(Struct, kw_only=True):
     drafted: int = 0
     accepted: int = 0
     gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
+    paused_steps: int = 0  # steps run without proposing: drafting had cost time (the gate's ledger)
     draft_s: float = 0.0  # host time spent proposing: the drafters' share of decode_s
     # per depth (draft position 1, 2, ...): drafts verified there and accepted there
     drafted_at: list[int] = []
@@ -86,7 +87,7 @@ class GenerationStats(Struct, kw_only=True):
     def add(self, other: "GenerationStats") -> None:
         """Fold ``other`` into these totals."""
         for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "passes", "draft_passes",
-                  "drafted", "accepted", "gated_steps", "prefill_s", "decode_s", "draft_s"):
+                  "drafted", "accepted", "gated_steps", "paused_steps", "prefill_s", "decode_s", "draft_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for name, c in other.sources.items():
             mine = self.sources.setdefault(name, SourceCount())
@@ -112,6 +113,8 @@ class GenerationStats(Struct, kw_only=True):
                                                  zip(self.accepted_at[:4], self.drafted_at[:4]) if d) + ")"
         if self.gated_steps:
             line += f", {self.gated_steps} guesses gated off"
+        if self.paused_steps:
+            line += f", drafting paused {self.paused_steps} steps (it was losing time)"
         if self.accepted:
             line += ", accepted from " + ", ".join(
                 f"{name} {c.accepted}" for name, c in sorted(self.sources.items(), key=lambda x: -x[1].accepted)

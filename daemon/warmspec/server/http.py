@@ -546,6 +546,8 @@ class Context:
         metric("drafted_tokens_total", "counter", "Draft tokens verified.", [("", t.drafted)])
         metric("accepted_tokens_total", "counter", "Draft tokens accepted.", [("", t.accepted)])
         metric("gated_steps_total", "counter", "Steps where the gate chose a plain pass.", [("", t.gated_steps)])
+        metric("paused_steps_total", "counter", "Steps run without proposing: drafting had cost time.",
+               [("", t.paused_steps)])
         metric("acceptance_ratio", "gauge", "Accepted over drafted tokens, since start.", [("", t.acceptance)])
         metric("tokens_per_pass", "gauge", "Generated tokens per decoding pass, since start.",
                [("", t.tokens_per_pass)])
