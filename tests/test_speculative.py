@@ -692,29 +692,36 @@ def test_the_ledger_pauses_drafting_that_loses_time_whatever_the_gate_estimates(
 
 
 def test_the_ledger_books_time_saved_and_lost():
-    """A step of 4 drafted tokens in the time of 2 plain steps saves 2 steps; a proposal gated
-    off costs its host time; one slow drafting step alone is noise and starts no pause; losses
-    past both bounds (2% of the decode time, 3 plain steps from where drafting resumed) over 3
-    drafting steps do, for 16 steps, then 32; a trial after a pause is judged from where it
-    started."""
+    """A step of 4 tokens in the time of 2 plain steps saves 2 steps; a proposal gated off costs
+    its host time; one slow drafting step alone is noise and starts no pause; losses past both
+    bounds (2% of the decode time, 3 plain steps from where drafting resumed) over 3 drafting
+    steps do, for 16 steps, then 32; a trial after a pause is judged from where it started. A
+    plain step is priced at the larger of the estimate and the request's own plain steps."""
     from warmspec.core.gate import Ledger
 
     led, plain = Ledger(), 0.01
-    assert not led.book(4 * plain - 0.02, 0.02, plain, True) and led.balance == pytest.approx(0.02)
+    assert not led.book(4, 0.02, plain, True) and led.balance == pytest.approx(0.02)
     led.charge(0.001)
     assert led.balance == pytest.approx(0.019)
-    assert not led.book(0.0, 0.01, plain, False)  # a plain step books nothing
-    assert not led.book(plain - 0.05, 0.05, plain, True)  # one slow step: -0.021, 2 drafts
-    assert not led.book(plain - 0.015, 0.015, plain, True) and led.drafts == 3
+    assert not led.book(1, 0.01, plain, False) and led.balance == pytest.approx(0.019)  # plain: no saving
+    assert not led.book(1, 0.05, plain, True)  # one slow step: -0.021, 2 drafts
+    assert not led.book(1, 0.015, plain, True) and led.drafts == 3
     assert led.balance == pytest.approx(-0.026)  # within 3 plain steps
-    assert led.book(plain - 0.02, 0.02, plain, True)  # -0.036: past 3 steps and 2% of 0.115 s
+    assert led.book(1, 0.02, plain, True)  # -0.036: past 3 steps and 2% of 0.115 s
     assert led.left == 16 and led.pauses == 1
     for _ in range(16):
         assert led.hold()
-        assert not led.book(0.0, 0.01, plain, False)
+        assert not led.book(1, 0.01, plain, False)
     assert not led.hold() and led.paused == 16 and led.drafts == 0
-    assert led.start == pytest.approx(-0.036)  # past 2% of the 0.275 s booked: the trial's bound
+    assert led.start == pytest.approx(-0.036)
     for _ in range(2):  # the trial loses 2.5 steps over two drafting steps: not yet
-        assert not led.book(-0.0125, 0.0125, plain, True)
-    assert led.book(plain - 0.016, 0.016, plain, True)  # 3 drafts, 3.1 steps lost
+        assert not led.book(1, 0.0225, plain, True)
+    assert led.book(1, 0.016, plain, True)  # 3 drafts, 3.1 steps lost
     assert led.left == 32 and led.pauses == 2
+
+    slow = Ledger()  # this request's plain steps take twice the estimate
+    for _ in range(8):
+        slow.book(1, 0.02, plain, False)
+    assert slow.price(plain) == pytest.approx(0.02)
+    slow.book(2, 0.03, plain, True)
+    assert slow.balance == pytest.approx(0.01)  # a gain, not the loss the estimate implies
