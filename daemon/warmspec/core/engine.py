@@ -548,8 +548,8 @@ class Engine:
         steps = self.plain_steps if drafter is not None and greedy else None
         if drafter is not None:
             self.gate.begin()
-        # greedy steps are booked in the gate's ledger (what drafting saved, by the clock)
-        booked = drafter is not None and greedy and self.observe_costs
+        # steps are booked in the gate's ledger (what drafting saved, by the clock)
+        booked = drafter is not None and self.observe_costs
         emitted: float | None = None  # when the last step's tokens were read back
         queued: _Ahead | _Job | None = None  # a pass in flight, not read back yet
         sync_plain = False  # the next step was decided: a synchronous plain step

@@ -34,6 +34,11 @@ charges them per drafted token (``per_token``), apart from the pass's own cost.
 Unverified proposals: a proposal gated off, or one that lost to another source's, is scored
 against what the step then emitted (``shadow`` / ``settle``), so every bin's estimate follows
 the text whether or not its proposals are verified.
+
+The ledger: everything above is an estimate. Each request also books what drafting actually
+saved, by the clock, and pauses drafting while the balance shows a loss past ``LOSS_SHARE`` of
+its decode time (``Ledger``), so that the floor under plain decoding holds where an estimate is
+wrong.
 """
 
 from __future__ import annotations
@@ -629,7 +634,7 @@ class Gate:
             self.skip = min(int(self.host_s / (HOST_SHARE * self.costs.plain(context))), MAX_SKIP)
 
     def observe_step(self, tokens: int, seconds: float, *, drafting: bool, context: int = 0) -> None:
-        """Book one greedy step in the request's ``Ledger``: ``tokens`` emitted in ``seconds``,
+        """Book one step in the request's ``Ledger``: ``tokens`` emitted in ``seconds``,
         read-back to read-back, by a drafting step or a plain one."""
         if not (self.timed and self.enabled):
             return
