@@ -354,23 +354,28 @@ class Ledger:
 
     Every drafting step is booked at the plain steps its tokens would have taken less its own
     time, read-back to read-back, which holds all it really cost: the pass, proposing, rollback,
-    the consumer's work and any bubble in the pipeline. A plain step is priced at the larger of
-    the gate's estimate and the mean of this request's own plain steps (timed the same way, once
-    there are ``MIN_PLAIN`` of them): an estimate too low would book drafting that pays as a loss
-    (on an H200 a plain step took 3.6 ms in a tight loop and 7.6 ms in the bench), and where
-    they disagree the ledger should err towards drafting, which the gate chose. Every proposal that ended in a plain step is booked at its proposing time. Drafting
-    pauses when the balance is below both ``LOSS_SHARE`` of the request's decode time so far and
-    ``TRIAL_STEPS`` plain steps under where it stood when drafting last resumed, over at least
-    ``TRIAL_DRAFTS`` drafting steps (one slow step is the host's noise, not a trend). The next
-    ``pause`` steps then run plain without proposing, and the pause doubles for the next time.
+    the consumer's work and any bubble in the pipeline. Every proposal that ended in a plain step
+    is booked at its proposing time. A plain step books no saving: it is plain decoding, and its
+    time beyond the estimate is the host's noise, not drafting's cost.
+
+    A plain step is priced at the larger of the gate's estimate and the mean of this request's
+    own plain steps (timed the same way, once there are ``MIN_PLAIN`` of them): an estimate too
+    low would book drafting that pays as a loss (on an H200 a plain step took 3.6 ms in a tight
+    loop and 7.6 ms in the bench), and where the two disagree the ledger errs towards drafting,
+    which the gate chose.
+
+    Drafting pauses when the balance is below both ``LOSS_SHARE`` of the request's decode time so
+    far and ``TRIAL_STEPS`` plain steps under where it stood when drafting last resumed, over at
+    least ``TRIAL_DRAFTS`` drafting steps (one slow step is the host's noise, not a trend). The
+    next ``pause`` steps then run plain without proposing, and the pause doubles for the next
+    time.
 
     Why: the gate decides from estimates -- the cost table, host time, acceptance per bin -- and
     where they are wrong nothing else notices. On an H200 a prose prompt (own-advice-10) drafted
     152 tokens at 11% acceptance and ran at 0.87x plain (medians of 3), each draft priced as a
     gain. The balance bounds the loss whatever went wrong: a request runs at most ``LOSS_SHARE``
     slower than plain decoding, plus about ``TRIAL_STEPS`` plain steps per resumption (at most
-    log2 of its length over ``PAUSE_STEPS`` of them). Plain steps with no proposal are not
-    booked: they are plain decoding, and their time is the host's noise, not drafting's cost.
+    log2 of its length over ``PAUSE_STEPS`` of them).
     """
 
     def __init__(self) -> None:
