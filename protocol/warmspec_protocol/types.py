@@ -96,6 +96,7 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
     drafted: int = 0
     accepted: int = 0
     gated_steps: int = 0  # a guess was available but the gate judged a plain pass cheaper
+    paused_steps: int = 0  # steps run without proposing: drafting had cost time (the gate's ledger)
     draft_s: float = 0.0  # host time spent proposing: the drafters' share of decode_s
     # per depth (draft position 1, 2, ...): drafts verified there and accepted there
     drafted_at: list[int] = []
@@ -135,6 +136,8 @@ class GenerationStats(Struct, kw_only=True, omit_defaults=False):
                      f" (mean draft {self.mean_draft_length:.1f})")
         if self.gated_steps:
             line += f", {self.gated_steps} guesses gated off"
+        if self.paused_steps:
+            line += f", drafting paused {self.paused_steps} steps (it was losing time)"
         if self.accepted:
             line += ", accepted from " + ", ".join(
                 f"{name} {c.accepted}" for name, c in sorted(self.sources.items(), key=lambda x: -x[1].accepted)
