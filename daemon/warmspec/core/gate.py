@@ -629,13 +629,12 @@ class Gate:
     def observe_host(self, seconds: float, *, drafting: bool, context: int = 0) -> None:
         """Fold in the host time of one proposal; after one that came to nothing, pause proposing
         for as many steps as keep its cost under ``HOST_SHARE`` of a plain step (at most
-        ``MAX_SKIP``)."""
+        ``MAX_SKIP``); the request's ledger is charged its time."""
         if not self.timed:
             return
-        if not drafting and self.enabled:
-            self.ledger.charge(seconds)
         self.host_s = seconds if self.host_s == 0.0 else 0.9 * self.host_s + 0.1 * seconds
         if not drafting and self.enabled:
+            self.ledger.charge(seconds)
             self.skip = min(int(self.host_s / (HOST_SHARE * self.costs.plain(context))), MAX_SKIP)
 
     def observe_step(self, tokens: int, seconds: float, *, drafting: bool, context: int = 0) -> None:
