@@ -75,3 +75,17 @@ def test_protocol_md_examples_decode_into_the_structs(block):
                 assert env.error.code in codes
             elif (spec := wire.METHODS.get(methods[env.id])) is not None:
                 msgspec.convert(env.result, spec.result)
+
+
+@pytest.mark.parametrize("name", ["GenerationStats", "SourceCount"])
+def test_the_decode_cores_stats_and_the_wires_have_the_same_fields(name):
+    """The decode core keeps its own stats types (it depends on no wire format) and the servers
+    convert them field by field (``to_wire``); a field added to one only broke every HTTP reply
+    with a 500 in stop 30's first CI. This says so at once, naming the field."""
+    from warmspec.core import types as core
+    from warmspec_protocol import types as proto
+
+    ours, theirs = getattr(core, name), getattr(proto, name)
+    assert set(ours.__struct_fields__) == set(theirs.__struct_fields__), (
+        f"only in the core: {set(ours.__struct_fields__) - set(theirs.__struct_fields__)}; "
+        f"only on the wire: {set(theirs.__struct_fields__) - set(ours.__struct_fields__)}")
