@@ -1,17 +1,9 @@
 """Can a verify pass of a few positions cost what one position costs on MLX CUDA? Variants of the
 linear layers and attention timed alone and in the whole pass (default model, float32)."""
-import statistics, sys, time
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 from warmspec.model import load
-
-def timed(fn, n=20, warm=3):
-    for _ in range(warm): fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+from passtime import pass_times as _pass_times, timed
 
 W = mx.random.normal((1536, 576)); mx.eval(W)
 Wt = W.T
@@ -33,22 +25,7 @@ print(f"P  1: gemv {timed(lambda: mx.eval(x1 @ Wt)):.3f}", flush=True)
 lm = load(None, dequantize=True)
 model = lm.model
 
-def pass_times(label, widths=(1, 2, 4, 8, 16), ctx=256):
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[5] * ctx]), cache=cache))
-    out, logits = [], {}
-    for p in widths:
-        x = mx.array([[7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67][:p]])
-        def one():
-            y = model(x, cache=cache); mx.eval(y)
-            for c in cache: c.trim(p)
-            return y
-        logits[p] = one()
-        out.append(f"{p}:{timed(one, n=12):.2f}")
-    print(f"{label}: " + " ".join(out), flush=True)
-    return logits
-
-base = pass_times("pass as is")
+base = _pass_times(model, "pass as is")
 
 orig_linear = nn.Linear.__call__
 def linear_bgemv(self, x):
@@ -58,7 +35,7 @@ def linear_bgemv(self, x):
         return y + self["bias"] if "bias" in self else y
     return orig_linear(self, x)
 nn.Linear.__call__ = linear_bgemv
-b = pass_times("linear as batched gemv")
+b = _pass_times(model, "linear as batched gemv")
 print("  max |logit diff| vs as is:", {p: float(mx.abs(b[p] - base[p]).max()) for p in b}, flush=True)
 nn.Linear.__call__ = orig_linear
 
@@ -74,8 +51,8 @@ def sdpa_rows(queries, keys, values, cache, scale, mask, sinks=None):
             for i in range(P)]
     return mx.concatenate(outs, axis=2)
 llama.scaled_dot_product_attention = sdpa_rows
-c = pass_times("attention one query at a time")
+c = _pass_times(model, "attention one query at a time")
 print("  max |logit diff| vs as is:", {p: float(mx.abs(c[p] - base[p]).max()) for p in c}, flush=True)
 nn.Linear.__call__ = linear_bgemv
-d = pass_times("both")
+d = _pass_times(model, "both")
 print("  max |logit diff| vs as is:", {p: float(mx.abs(d[p] - base[p]).max()) for p in d}, flush=True)

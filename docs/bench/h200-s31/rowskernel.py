@@ -1,11 +1,11 @@
 """A matrix product for a few rows that reads the weights once, as a gemv does: one warp per
 output column accumulates every row (mx.fast.cuda_kernel). Checked against MLX's matmul and timed
 alone and inside the default model's verify passes (float32) on the device."""
-import statistics, time
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from warmspec.model import load
+from passtime import pass_times as _pass_times, timed
 
 SOURCE = """
     constexpr int WARP = 32;
@@ -42,13 +42,6 @@ def few_rows(x, W):
                output_dtypes=[x.dtype])[0]
     return y.reshape(*lead, OUT)
 
-def timed(fn, n=20, warm=3):
-    for _ in range(warm): fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
 for shape in ((1536, 576), (576, 1536), (192, 576)):
     W = mx.random.normal(shape); mx.eval(W)
     for P in (1, 2, 4, 8, 16):
@@ -61,29 +54,14 @@ for shape in ((1536, 576), (576, 1536), (192, 576)):
 lm = load(None, dequantize=True)
 model = lm.model
 
-def pass_times(label, widths=(1, 2, 4, 8, 16), ctx=256):
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[5] * ctx]), cache=cache))
-    out, logits = [], {}
-    for p in widths:
-        x = mx.array([[7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67][:p]])
-        def one():
-            y = model(x, cache=cache); mx.eval(y)
-            for c in cache: c.trim(p)
-            return y
-        logits[p] = one()
-        out.append(f"{p}:{timed(one, n=12):.2f}")
-    print(f"{label}: " + " ".join(out), flush=True)
-    return logits
-
-base = pass_times("pass as is")
+base = _pass_times(model, "pass as is")
 orig = nn.Linear.__call__
 def patched(self, x):
     if x.ndim == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= 16 and "bias" not in self:
         return few_rows(x, self["weight"])
     return orig(self, x)
 nn.Linear.__call__ = patched
-new = pass_times("linear layers through few_rows (2-16 positions)")
+new = _pass_times(model, "linear layers through few_rows (2-16 positions)")
 print("  max |logit diff|:", {p: f"{float(mx.abs(new[p] - base[p]).max()):.2e}" for p in new}, flush=True)
 # one-position logits against a 4-position pass's rows (what exactness compares)
 cache = make_prompt_cache(model); mx.eval(model(mx.array([[5] * 64]), cache=cache))
