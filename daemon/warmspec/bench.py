@@ -573,7 +573,7 @@ def summarize(rows: list[CaseResult], replays: list[ReplayResult]) -> Summary:
 # -- the run --------------------------------------------------------------------------------------
 
 
-def machine() -> Machine:
+def machine(lm=None) -> Machine:
     import mlx.core as mx
 
     cpu = platform.processor() or platform.machine()
@@ -585,7 +585,8 @@ def machine() -> Machine:
     return Machine(cpu=cpu, cores=os.cpu_count() or 0, os=platform.platform(),
                    python=platform.python_version(), mlx=mx.__version__,
                    mlx_lm=metadata.version("mlx-lm"), device=str(mx.default_device()),
-                   blas=blas.describe(), load_avg=os.getloadavg()[0])
+                   blas=blas.describe(), load_avg=os.getloadavg()[0],
+                   kernels=list(lm.kernels) if lm else [], kernel_notes=list(lm.kernel_notes) if lm else [])
 
 
 def _progress(i: int, n: int, file: str, case: BenchCase, rows: list[CaseResult],
@@ -669,7 +670,7 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
                          costs=CostTable(costs.points, costs.plain_points) if costs else None)
                for m in modes}
     replayers = replay_engines(lm, replay_costs or costs, max_draft) if wants_replay else {}
-    info = machine()
+    info = machine(lm)
     for engine in engines.values():  # the first passes of a process allocate: not in case 1
         decode(engine, chat_ids(lm.tokenizer, [Message(role="user", content="Hello!")]),
                WARMUP_TOKENS)
@@ -755,6 +756,8 @@ def report(res: BenchResults) -> str:
         f"# warmspec bench: {res.model}", "",
         (f"- machine: {m.cpu}, {m.cores} cores, {m.os}; {m.device}, {m.blas}; MLX {m.mlx}, "
          f"mlx-lm {m.mlx_lm}, Python {m.python}; load average {m.load_avg:.2f} at start"),
+        f"- kernels in MLX's place: {', '.join(m.kernels) or 'none'}"
+        + "".join(f"\n  - {n}" for n in m.kernel_notes),
         (f"- inputs: {', '.join(res.inputs)}; modes {', '.join(res.modes) or 'none'} alternating "
          f"per case, greedy, repeat {res.repeat} (medians); max draft {res.max_draft}"),
         ("- speedup: plain decode tok/s against the mode's on the same cases; identical: token "

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from warmspec_protocol import SamplingParams
 
-from . import attention, fetch, gguf, memory
+from . import attention, fetch, gguf, memory, rows
 from .tokenizer import Tokenizer, TokenizerError
 
 
@@ -36,6 +36,11 @@ class LoadedModel:
     defaults: SamplingParams = field(default_factory=SamplingParams)
     context_length: int | None = None
     quantized: bool = False
+    # Kernels ``load`` put in MLX's place (``attention.VERSION``, ``rows.VERSION``); they change
+    # what passes cost, so the gate's cost tables are keyed by them.
+    kernels: tuple[str, ...] = ()
+    # What ``rows.install`` measured at load, a line per layer shape (empty off CUDA).
+    kernel_notes: tuple[str, ...] = ()
 
     @property
     def device(self) -> str:
@@ -54,9 +59,14 @@ def on_cpu() -> bool:
 
 def load(spec: str | None = None, *, dequantize: bool | None = None) -> LoadedModel:
     """Load ``spec`` (None: the embedded default). ``dequantize`` defaults to True on CPU. On a
-    CPU, wide passes' attention is routed around MLX's slow ``exp`` (``attention.install``)."""
+    CPU, wide passes' attention is routed around MLX's slow ``exp`` (``attention.install``); on
+    a CUDA GPU, their float linear layers go through a kernel for a few rows where it measures
+    faster (``rows.install``)."""
     lm = _load(spec, dequantize=on_cpu() if dequantize is None else dequantize)
-    attention.install(lm.model)
+    kernels = [attention.VERSION] if attention.install(lm.model) else []
+    notes = rows.install(lm.model)
+    lm.kernels = tuple(kernels + ([rows.VERSION] if notes else []))
+    lm.kernel_notes = tuple(notes)
     return lm
 
 

@@ -55,6 +55,9 @@ class Machine(Struct, kw_only=True):
     device: str
     blas: str
     load_avg: float  # 1-minute load when the bench started: the machine may be shared
+    # Kernels the model was loaded with in MLX's place, and what the load measured to choose them
+    kernels: list[str] = []
+    kernel_notes: list[str] = []
 
 
 class Divergence(Struct, kw_only=True):

@@ -67,13 +67,14 @@ CLEAR_EVERY = 256  # tokens between clears of MLX's buffer cache, as mlx-lm's ge
 
 def default_cost_cache(lm: LoadedModel, max_draft: int = MAX_DRAFT) -> Path:
     """Where this machine's verify costs for ``lm`` are kept: keyed by everything that changes
-    them (model file, device, BLAS, MLX version, the CPU attention's version, draft width, host)."""
-    from .. import attention, blas, fetch
+    them (model file, device, BLAS, MLX version, the kernels put in MLX's place, draft width,
+    host)."""
+    from .. import blas, fetch
 
     src = Path(lm.source)
     stamp = src.stat().st_mtime_ns if src.exists() else 0
     key = "|".join(map(str, (src.resolve() if src.exists() else lm.source, stamp, lm.device,
-                             lm.quantized, blas.describe(), mx.__version__, attention.VERSION, max_draft,
+                             lm.quantized, blas.describe(), mx.__version__, "+".join(lm.kernels), max_draft,
                              platform.node(), platform.machine())))
     return fetch.cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
