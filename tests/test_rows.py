@@ -1,5 +1,5 @@
 """The few-rows linear layers for CUDA (``warmspec.rows``). The kernel itself runs only on a CUDA
-device (checked there by ``docs/bench/h200-s32/rowsprobe.py`` and the bench's divergence count);
+device (checked there by ``docs/bench/h100-s33/rowsprobe.py`` and the bench's divergence count);
 here its plumbing is tested on the CPU with MLX's product standing in for it: which layers
 ``install`` replaces, which passes go through it, and that speculative output still equals plain
 decoding's through the replaced layers, every cache kind."""
