@@ -220,3 +220,28 @@ def test_cost_table_refuses_non_positive_costs():
     for row in ({1: 0.0}, {1: 1.0, 4: -1.0}, {1: float("inf")}, {1: float("nan")}, {0: 1.0, 1: 1.0}):
         with pytest.raises(ValueError):
             CostTable({0: row})
+
+
+def test_cost_table_times_short_passes_more_and_never_falls_with_width(monkeypatch):
+    """Passes of a few ms (a GPU) are timed until ``MIN_SAMPLE_S`` of them, and a wider pass
+    measured cheaper than a narrower one is booked at the narrower one's cost: the 4-wide pass
+    here has one slow outlier of three samples at first, and the 8-wide one dips below it."""
+    from warmspec.core import gate
+    clock = [0.0]
+    monkeypatch.setattr(gate.time, "perf_counter", lambda: clock[0])
+    durations = {1: [0.005], 2: [0.010], 4: [0.017, 0.017, 0.040], 8: [0.015]}
+    calls = {p: 0 for p in durations}
+
+    def forward(p, context):
+        seq = durations[p]
+        clock[0] += seq[calls[p] % len(seq)]
+        calls[p] += 1
+
+    table = CostTable.measure(forward, [1, 2, 4, 8], [64], repeats=2)
+    row = {p: round(t, 6) for p, t in table.points[64].items()}
+    assert row == {1: 0.005, 2: 0.010, 4: 0.017, 8: 0.017}  # 8 measured 0.015: not below 4's
+    # one warm-up each, then until 0.1 s or 12 passes: 12 of 5 ms, 10 of 10 ms
+    assert calls[1] == 1 + 12 and calls[2] == 1 + 10
+    durations[1], calls[1] = [0.3], 0  # a CPU's pass: two are enough
+    slow = CostTable.measure(forward, [1], [64], repeats=2)
+    assert calls[1] == 1 + 2 and round(slow.points[64][1], 6) == 0.3

@@ -124,6 +124,13 @@ class Rates(NamedTuple):
         return Rates(DECAY * self.first + (1 - DECAY) * (accepted > 0), cont)
 
 
+# Timing passes for the cost table: on a GPU a pass is ~5-15 ms, and two of them on a shared
+# host were too few to order the widths (see ``CostTable.measure``); on a CPU two passes already
+# take over 0.1 s.
+MIN_SAMPLE_S = 0.1
+MAX_REPEATS = 12
+
+
 class CostTable:
     """Seconds per forward pass over P positions at a context length, measured then tracked.
 
@@ -162,20 +169,27 @@ class CostTable:
         """Time ``forward(P, context)`` -- one synchronized pass of P positions on a warm cache of
         that many tokens, undone afterwards -- taking the median of ``repeats`` after one warm-up
         pass per width; and ``plain(context)``, seconds per token of pipelined plain decoding
-        there (median of ``repeats``)."""
+        there (median of ``repeats``).
+
+        Where passes are short (a GPU) each width is timed again until ``MIN_SAMPLE_S`` of passes
+        or ``MAX_REPEATS`` of them: on the lent H100 two passes gave 4 positions 17.3 ms and 16
+        positions 10.5 ms (``docs/bench/h100-s33``), a table the gate then trusted. And a row
+        never falls as the width grows (each width costs at least the narrower ones' most): a
+        wider pass does the narrower one's work and more, so a dip is noise, and reading it as
+        a cheap wide pass is the error that makes drafting lose."""
         points: dict[int, dict[int, float]] = {}
         plains: dict[int, float] = {}
         for c in contexts:
             for p in widths:  # untimed: MLX CUDA compiles kernels per new shape (seconds each)
                 forward(p, c)
-            row = {}
+            row: dict[int, float] = {}
             for p in widths:
-                times = []
-                for _ in range(repeats):
+                times: list[float] = []
+                while len(times) < repeats or (sum(times) < MIN_SAMPLE_S and len(times) < MAX_REPEATS):
                     t = time.perf_counter()
                     forward(p, c)
                     times.append(time.perf_counter() - t)
-                row[p] = statistics.median(times)
+                row[p] = max(statistics.median(times), max(row.values(), default=0.0))
             points[c] = row
             if plain is not None:
                 plains[c] = statistics.median(plain(c) for _ in range(repeats))
