@@ -48,6 +48,7 @@ def test_only_shapes_measured_faster_are_replaced(on_cuda):
     assert sorted(replaced(lm.model)) == sorted(f"model.layers.{i}.mlp.{p}" for i in range(2)
                                                 for p in ("gate_proj", "up_proj"))
     assert len(lines) == 5 and sum(line.endswith(": kernel") for line in lines) == 1, lines
+    assert on_cuda == list(rows.BUCKETS)  # the one chosen shape compiled at every size, at load
     nothing = tiny.build("llama")
     assert rows.install(nothing.model, choose=lambda w: (1.0, 0.9)) == []
     assert replaced(nothing.model) == []
@@ -70,6 +71,7 @@ def test_speculation_through_it_is_exact_every_cache_kind(arch, on_cuda):
     lm = tiny.build(arch)
     assert rows.install(lm.model, choose=lambda w: (1.0, 0.5))
     assert replaced(lm.model)
+    on_cuda.clear()  # the sizes compiled at load
     prompt = np.random.default_rng(7).integers(0, tiny.VOCAB, 24).tolist()
     plain, _ = decode(lm, prompt, 60)
     assert on_cuda == []  # prefill (24 rows) and one-position steps

@@ -42,10 +42,17 @@ MIN_GAIN = 0.8
 WARP = 32
 THREADS = 256
 
+# Sizes the kernel is compiled for: a pass of n rows runs the smallest that holds n, with n read
+# at run time. Why not one compile per n: MLX compiles a kernel per template instance on first
+# use (NVRTC), and each new draft length then stalled its first pass; on the H100 the first run
+# of a prose case took 2.4 s against 0.3 s for the next two (``docs/bench/h100-s33``).
+BUCKETS = (2, 4, 8, 16)
+
 SOURCE = """
     constexpr int WARP = 32;
     const int o = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const int lane = threadIdx.x % WARP;
+    const int n = rows[0];
     if (o >= OUT) return;
     float acc[P];
     #pragma unroll
@@ -54,10 +61,12 @@ SOURCE = """
     for (int d = lane; d < D; d += WARP) {
         const float wv = static_cast<float>(w[d]);
         #pragma unroll
-        for (int p = 0; p < P; ++p) acc[p] += wv * static_cast<float>(x[p * D + d]);
+        for (int p = 0; p < P; ++p)
+            if (p < n) acc[p] += wv * static_cast<float>(x[p * D + d]);
     }
     #pragma unroll
     for (int p = 0; p < P; ++p) {
+        if (p >= n) break;
         float v = acc[p];
         for (int off = WARP / 2; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffff, v, off);
         if (lane == 0) y[p * OUT + o] = static_cast<T>(v);
@@ -70,7 +79,7 @@ _kernel = None
 def _compiled():
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="warmspec_rows_matmul", input_names=["x", "W"],
+        _kernel = mx.fast.cuda_kernel(name="warmspec_rows_matmul", input_names=["x", "W", "rows"],
                                       output_names=["y"], source=SOURCE)
     return _kernel
 
@@ -78,12 +87,13 @@ def _compiled():
 def matmul(x: mx.array, w: mx.array) -> mx.array:
     """``x @ w.T`` for ``x`` (..., D) holding at most ``MAX_ROWS`` rows and ``w`` (OUT, D)."""
     *lead, d = x.shape
-    rows = x.size // d
+    n = x.size // d
     out = w.shape[0]
-    y = _compiled()(inputs=[x.reshape(rows, d), w],
-                    template=[("T", x.dtype), ("P", rows), ("D", d), ("OUT", out)],
+    bucket = next(b for b in BUCKETS if b >= n)
+    y = _compiled()(inputs=[x.reshape(n, d), w, mx.array([n], dtype=mx.int32)],
+                    template=[("T", x.dtype), ("P", bucket), ("D", d), ("OUT", out)],
                     grid=(out * WARP, 1, 1), threadgroup=(THREADS, 1, 1),
-                    output_shapes=[(rows, out)], output_dtypes=[x.dtype])[0]
+                    output_shapes=[(n, out)], output_dtypes=[x.dtype])[0]
     return y.reshape(*lead, out)
 
 
@@ -155,6 +165,12 @@ def install(model: nn.Module, *, choose=measure) -> list[str]:
             lines.append(f"{key[0][0]}x{key[0][1]} {key[1]}: 4 rows {mlx_ms:.3f} ms (MLX) against "
                          f"{rows_ms:.3f} ms ({VERSION}): {'kernel' if fast[key] else 'MLX'}")
     chosen = {id(m) for m in layers if fast[(tuple(m.weight.shape), str(m.weight.dtype))]}
+    warmed = set()
+    for m in layers:  # compile every bucket now, not in a request's first passes
+        key = (tuple(m.weight.shape), str(m.weight.dtype))
+        if id(m) in chosen and key not in warmed:
+            warmed.add(key)
+            mx.eval([matmul(mx.zeros((b, key[0][1]), m.weight.dtype), m.weight) for b in BUCKETS])
     if chosen:
         model.update_modules(tree_map(lambda m: RowsLinear.of(m) if id(m) in chosen else m,
                                       model.leaf_modules(), is_leaf=nn.Module.is_module))
