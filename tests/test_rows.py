@@ -37,9 +37,18 @@ def on_cuda(monkeypatch):
     """``install`` as on a CUDA device, with MLX's product in the kernel's place; returns the
     number of rows of every product that went through it."""
     calls = []
+    monkeypatch.setenv("WARMSPEC_ROWS", "1")
     monkeypatch.setattr(rows, "on_cuda", lambda: True)
     monkeypatch.setattr(rows, "matmul", lambda x, w: calls.append(x.size // x.shape[-1]) or x @ w.T)
     return calls
+
+
+def test_it_is_off_on_cuda_unless_asked_for(monkeypatch):
+    """Measured not to pay on the H100 (the module's docstring): a CUDA device alone installs nothing."""
+    monkeypatch.delenv("WARMSPEC_ROWS", raising=False)
+    monkeypatch.setattr(rows, "on_cuda", lambda: True)
+    lm = tiny.build("llama")
+    assert rows.install(lm.model, choose=lambda w: (1.0, 0.1)) == [] and replaced(lm.model) == []
 
 
 def test_only_shapes_measured_faster_are_replaced(on_cuda):

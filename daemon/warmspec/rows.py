@@ -19,6 +19,14 @@ CUDA device only, and only those of a shape where the kernel, timed there at loa
 product for 4 rows (``MIN_GAIN``). Passes of one row (plain steps) and of more than
 ``MAX_ROWS`` (prefill chunks, long n-gram drafts) keep MLX's product; so do quantized layers,
 which MLX multiplies with its own kernels (their pass cost did not jump from 1 to 2 positions).
+
+Off unless ``WARMSPEC_ROWS=1``: measured on the lent H100 (``docs/bench/h100-s33``), it does not
+pay. Timed inside a pass (32 products to an evaluation) MLX's product for 2 to 16 rows costs
+0.014-0.024 ms and the kernel 0.013-0.029 ms, both near the cost of any kernel launch there (MLX's
+one-row gemv: 0.006-0.013 ms); the s31 figures above timed one product per evaluation, which adds
+a wait to both. With the kernel on every float layer the pass was no faster at any width. What
+does make a pass of 4 or more positions dearer is attention (MLX's fused attention: 0.007 ms for
+1 or 2 queries, 0.08 ms for 4 to 16, in each of 30 layers), which this module does not touch.
 """
 
 from __future__ import annotations
@@ -151,8 +159,8 @@ def install(model: nn.Module, *, choose=measure) -> list[str]:
     """On a CUDA device, make those of ``model``'s float linear layers ``RowsLinear`` whose shape
     the kernel multiplies faster (``choose``: the two products' times for a weight, measured once
     per shape). Returns what it measured and chose, a line per shape (empty: nothing changed).
-    ``WARMSPEC_ROWS=0`` turns it off, for benches side by side."""
-    if os.environ.get("WARMSPEC_ROWS", "1") == "0" or not on_cuda():
+    Only with ``WARMSPEC_ROWS=1`` (see the module's docstring for why it is off)."""
+    if os.environ.get("WARMSPEC_ROWS", "0") != "1" or not on_cuda():
         return []
     layers = [m for _, m in model.named_modules()
               if type(m) is nn.Linear and m.weight.dtype in (mx.float32, mx.float16, mx.bfloat16)]
