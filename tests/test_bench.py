@@ -105,8 +105,9 @@ def test_bench_end_to_end(default_lm, tmp_path):
         assert [sum(c[0] for c in r.sources.values()), sum(c[1] for c in r.sources.values())] == \
             [r.drafted, r.accepted]
         assert r.mode == "ngram" or r.sources == {}
-    # the echo drafts from the request itself
+    # the echo drafts from the request itself, and the gate's ledger booked that as a saving
     assert next(r for r in echo if r.mode == "ngram").sources["request"][1] > 0
+    assert echo[1].booked_s > 0 and echo[0].booked_s == 0.0
     assert res.summary.ngram.sources == bench.source_counts(r.sources for r in ngram_rows)
     assert sum(a for _, a in res.summary.ngram.sources.values()) == sum(r.accepted for r in ngram_rows)
 

@@ -208,6 +208,7 @@ class Sample(msgspec.Struct):
     stats: GenerationStats
     ttft_s: float
     finish_reason: str
+    booked_s: float = 0.0  # what the gate's ledger booked drafting as saving (``Ledger.balance``)
 
 
 def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence[Source] = ()) -> Sample:
@@ -222,7 +223,8 @@ def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence
         if ttft is None:
             ttft = time.perf_counter() - t0
         out.extend(new)
-    return Sample(out, run.stats, ttft or time.perf_counter() - t0, run.finish_reason)
+    booked = engine.gate.ledger.balance if engine.speculate else 0.0
+    return Sample(out, run.stats, ttft or time.perf_counter() - t0, run.finish_reason, booked)
 
 
 def flush(engine: Engine) -> None:
@@ -301,6 +303,7 @@ def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, lis
                 accepted=statistics.median_low(s.accepted for s in st),
                 gated_steps=statistics.median_low(s.gated_steps for s in st),
                 paused_steps=statistics.median_low(s.paused_steps for s in st),
+                booked_s=round(statistics.median(s.booked_s for s in runs), 6),
                 decode_runs=[round(s.decode_s, 6) for s in st],
                 sources=source_counts({n: (c.drafted, c.accepted) for n, c in s.sources.items()} for s in st),
                 prompt_tokens=st[0].prompt_tokens,

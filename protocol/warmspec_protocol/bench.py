@@ -92,6 +92,9 @@ class CaseResult(Struct, kw_only=True):
     cached_tokens: int = 0
     gated_steps: int = 0
     paused_steps: int = 0  # steps run without proposing: drafting had cost time (median)
+    # seconds the gate's ledger booked drafting as saving, by its clock (median; negative: lost).
+    # Set beside plain's decode time less this mode's, it shows whether the ledger saw a loss
+    booked_s: float = 0.0
     finish_reason: str = ""
     copy_fraction: float = 0.0
     load_avg: float = 0.0  # 1-minute load average after the case: above the core count, noisy
