@@ -729,3 +729,30 @@ def test_the_ledger_books_time_saved_and_lost():
     assert slow.price(plain) == pytest.approx(0.02)
     slow.book(2, 0.03, plain, True)
     assert slow.balance == pytest.approx(0.01)  # a gain, not the loss the estimate implies
+
+    # plain steps lengthened by proposing (a host-bound device): priced without it, so drafting
+    # steps that take longer than the plain steps they replace are booked as the loss they are
+    busy = Ledger()
+    for _ in range(8):
+        busy.book(1, 0.02, plain, False, proposing=0.008)
+    assert busy.price(plain) == pytest.approx(0.012)
+    # drafting steps of 2 tokens in 35 ms: -11 ms each, past 3 plain steps (36 ms) at the 4th
+    assert [busy.book(2, 0.035, plain, True) for _ in range(4)] == [False, False, False, True]
+    counted = Ledger()  # the same steps with their proposing counted as plain decoding's time
+    for _ in range(8):
+        counted.book(1, 0.02, plain, False)
+    assert not any(counted.book(2, 0.035, plain, True) for _ in range(8)) and counted.balance > 0
+
+
+def test_the_gate_books_a_plain_step_less_the_proposing_done_in_it():
+    """``observe_host`` times a proposal; the next ``observe_step`` hands that time to the ledger,
+    which takes it off the plain step's own time, and starts the next step from zero."""
+    from warmspec.core.gate import Gate
+    gate = Gate(CostTable({64: {1: 0.005, 2: 0.006}}, {64: 0.005}))
+    gate.begin()
+    gate.observe_host(0.003, drafting=False, context=64)
+    gate.observe_host(0.001, drafting=False, context=64)
+    gate.observe_step(1, 0.010, drafting=False, context=64)
+    assert gate.ledger.plain_mean == pytest.approx(0.006) and gate.step_host_s == 0.0
+    gate.observe_step(1, 0.010, drafting=False, context=64)  # nothing proposed in it
+    assert gate.ledger.plain_mean == pytest.approx(0.9 * 0.006 + 0.1 * 0.010)
