@@ -378,9 +378,11 @@ class Ledger:
     loop and 7.6 ms in the bench), and where the two disagree the ledger errs towards drafting,
     which the gate chose. A plain step's own time is taken less the proposing done in it: plain
     decoding does not propose, and where the host is the bottleneck (a GPU step of a small model)
-    that time lengthens the step one for one. Counted in, it priced plain steps above what plain
-    decoding takes and booked losing drafting as paying: on an H100 a prose prompt verified 460
-    drafts, accepted 21, ran at 0.82x plain, and no step paused (``docs/bench/h100-s33``).
+    that time lengthens the step one for one. Counted in, it prices plain steps above what plain
+    decoding takes, and a drafting step that loses books as a gain. That is the first suspect for
+    an H100 prose prompt that verified 460 drafts, accepted 21 and ran at 0.82x plain with no step
+    paused (``docs/bench/h100-s33``); not yet measured there with this change. On a CPU, where a
+    pass takes 20-140 ms and proposing ~0.2 ms, the price barely moves.
 
     Drafting pauses when the balance is below both ``LOSS_SHARE`` of the request's decode time so
     far and ``TRIAL_STEPS`` plain steps under where it stood when drafting last resumed, over at
