@@ -700,7 +700,7 @@ def test_the_ledger_books_time_saved_and_lost():
     its host time; one slow drafting step alone is noise and starts no pause; losses past both
     bounds (2% of the decode time, 3 plain steps from where drafting resumed) over 3 drafting
     steps do, for 16 steps, then 32; a trial after a pause is judged from where it started. A
-    plain step is priced at the larger of the estimate and the request's own plain steps."""
+    plain step is priced at the request's own plain steps once there are 8, else the estimate."""
     from warmspec.core.gate import Ledger
 
     led, plain = Ledger(), 0.01
@@ -742,6 +742,25 @@ def test_the_ledger_books_time_saved_and_lost():
     for _ in range(8):
         counted.book(1, 0.02, plain, False)
     assert not any(counted.book(2, 0.035, plain, True) for _ in range(8)) and counted.balance > 0
+
+
+def test_the_ledger_books_the_plain_step_after_drafting_to_drafting():
+    """The first plain step after a drafting step refills the pipeline (its pass was queued after
+    the verify pass's read-back): its time beyond a plain step is drafting's cost and it stays out
+    of the price. Averaged into the price, such refills made failed one-token drafts (6 ms, 1
+    token) beside 9.5 ms refills look like gains against 5 ms steady plain steps; booked as
+    drafting's cost, the loss pauses drafting by the third refill. The request's own steady
+    steps price a plain step even below the gate's estimate."""
+    from warmspec.core.gate import Ledger
+
+    led, estimate = Ledger(), 0.01
+    for _ in range(8):
+        assert not led.book(1, 0.005, estimate, False)
+    assert led.price(estimate) == pytest.approx(0.005)
+    booked = [led.book(1, s, estimate, d) for s, d in [(0.006, True), (0.0095, False)] * 3]
+    assert booked == [False] * 5 + [True]
+    assert led.refills == 3 and led.plains == 8 and led.price(estimate) == pytest.approx(0.005)
+    assert led.balance == pytest.approx(3 * (0.005 - 0.006) + 3 * (0.005 - 0.0095))
 
 
 def test_the_gate_books_a_plain_step_less_the_proposing_done_in_it():

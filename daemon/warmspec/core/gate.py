@@ -372,17 +372,22 @@ class Ledger:
     is booked at its proposing time. A plain step books no saving: it is plain decoding, and its
     time beyond the estimate is the host's noise, not drafting's cost.
 
-    A plain step is priced at the larger of the gate's estimate and the mean of this request's
-    own plain steps (timed the same way, once there are ``MIN_PLAIN`` of them): an estimate too
-    low would book drafting that pays as a loss (on an H200 a plain step took 3.6 ms in a tight
-    loop and 7.6 ms in the bench), and where the two disagree the ledger errs towards drafting,
-    which the gate chose. A plain step's own time is taken less the proposing done in it: plain
-    decoding does not propose, and where the host is the bottleneck (a GPU step of a small model)
-    that time lengthens the step one for one. Counted in, it prices plain steps above what plain
-    decoding takes, and a drafting step that loses books as a gain. That is the first suspect for
-    an H100 prose prompt that verified 460 drafts, accepted 21 and ran at 0.82x plain with no step
-    paused (``docs/bench/h100-s33``); not yet measured there with this change. On a CPU, where a
-    pass takes 20-140 ms and proposing ~0.2 ms, the price barely moves.
+    A plain step is priced at the mean of this request's own steady plain steps (those that
+    follow a plain step, timed the same way, once there are ``MIN_PLAIN`` of them), else at the
+    gate's estimate: that estimate was 3.6 ms on an H200 in a tight loop while a plain step took
+    7.6 ms in the bench, and a table measured on a busy host can be as far above. A plain step's
+    own time is taken less the proposing done in it: plain decoding does not propose, and where
+    the host is the bottleneck (a GPU step of a small model) that time lengthens the step one for
+    one.
+
+    The first plain step after a drafting step is not a steady one: where plain steps run ahead,
+    its pass was queued behind the verify pass's read-back instead of during the step before, so
+    it pays for refilling the pipeline. That is drafting's cost, and it is booked as such (its
+    time beyond the price); it does not enter the price. Why: when drafting is frequent and
+    mostly rejected, most plain steps are such refills; averaged into the price they made a plain
+    step look as slow as a failed drafting step, and an H100 prose prompt that verified 460
+    drafts, accepted 21 and ran at 0.82x plain booked no loss and never paused
+    (``docs/bench/h100-s33``, own-advice-10).
 
     Drafting pauses when the balance is below both ``LOSS_SHARE`` of the request's decode time so
     far and ``TRIAL_STEPS`` plain steps under where it stood when drafting last resumed, over at
@@ -407,16 +412,18 @@ class Ledger:
         self.pause = PAUSE_STEPS
         self.pauses = 0
         self.paused = 0  # steps run without proposing because of a pause
-        self.plain_mean = 0.0  # this request's plain steps, seconds each (decayed mean)
+        self.plain_mean = 0.0  # this request's steady plain steps, seconds each (decayed mean)
         self.plains = 0
+        self.refills = 0  # plain steps right after a drafting step (booked to drafting)
+        self.drafted = False  # the last step booked was a drafting step
 
     def charge(self, seconds: float) -> None:
         """Book time spent proposing for a step that then ran plain."""
         self.balance -= seconds
 
     def price(self, estimate: float) -> float:
-        """What a plain step costs now: the larger of ``estimate`` and the request's own."""
-        return max(estimate, self.plain_mean) if self.plains >= MIN_PLAIN else estimate
+        """What a plain step costs now: the request's own steady plain steps, else ``estimate``."""
+        return self.plain_mean if self.plains >= MIN_PLAIN else estimate
 
     def book(self, tokens: int, seconds: float, estimate: float, drafting: bool,
              proposing: float = 0.0) -> bool:
@@ -425,13 +432,17 @@ class Ledger:
         True when this starts a pause."""
         self.elapsed += seconds
         plain = self.price(estimate)
+        own = max(seconds - proposing, 0.0)
         if drafting:
             self.balance += tokens * plain - seconds
             self.drafts += 1
+        elif self.drafted:  # refilling the pipeline after a drafting step: drafting's cost
+            self.balance += tokens * plain - own
+            self.refills += 1
         else:
-            own = max(seconds - proposing, 0.0)
             self.plain_mean = own if not self.plains else 0.9 * self.plain_mean + 0.1 * own
             self.plains += 1
+        self.drafted = drafting
         if self.left or self.drafts < TRIAL_DRAFTS:
             return False
         if self.balance >= min(-LOSS_SHARE * self.elapsed, self.start - TRIAL_STEPS * plain):
