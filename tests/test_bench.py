@@ -108,6 +108,9 @@ def test_bench_end_to_end(default_lm, tmp_path):
     # the echo drafts from the request itself, and the gate's ledger booked that as a saving
     assert next(r for r in echo if r.mode == "ngram").sources["request"][1] > 0
     assert echo[1].booked_s > 0 and echo[0].booked_s == 0.0
+    # the ledger's price of a plain step, from a request's own steady plain steps (plain: none)
+    assert all(r.ledger_plain_s == 0.0 for r in res.cases if r.mode == "plain")
+    assert any(r.ledger_plain_s > 0.0 for r in ngram_rows)
     assert res.summary.ngram.sources == bench.source_counts(r.sources for r in ngram_rows)
     assert sum(a for _, a in res.summary.ngram.sources.values()) == sum(r.accepted for r in ngram_rows)
 

@@ -53,6 +53,7 @@ from warmspec_protocol.bench import (
 
 from . import blas, probes
 from .core import CostTable, Source
+from .core.gate import MIN_PLAIN
 from .workspace import Workspace, WorkspaceError
 
 if TYPE_CHECKING:
@@ -209,6 +210,7 @@ class Sample(msgspec.Struct):
     ttft_s: float
     finish_reason: str
     booked_s: float = 0.0  # what the gate's ledger booked drafting as saving (``Ledger.balance``)
+    ledger_plain_s: float = 0.0  # its price of a plain step from the request's own (0: too few)
 
 
 def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence[Source] = ()) -> Sample:
@@ -223,8 +225,10 @@ def decode(engine: Engine, prompt: list[int], max_tokens: int, sources: Sequence
         if ttft is None:
             ttft = time.perf_counter() - t0
         out.extend(new)
-    booked = engine.gate.ledger.balance if engine.speculate else 0.0
-    return Sample(out, run.stats, ttft or time.perf_counter() - t0, run.finish_reason, booked)
+    ledger = engine.gate.ledger
+    booked = ledger.balance if engine.speculate else 0.0
+    own = ledger.plain_mean if engine.speculate and ledger.plains >= MIN_PLAIN else 0.0
+    return Sample(out, run.stats, ttft or time.perf_counter() - t0, run.finish_reason, booked, own)
 
 
 def flush(engine: Engine) -> None:
@@ -304,6 +308,7 @@ def case_rows(file: str, case: BenchCase, prep: Prepared, samples: dict[str, lis
                 gated_steps=statistics.median_low(s.gated_steps for s in st),
                 paused_steps=statistics.median_low(s.paused_steps for s in st),
                 booked_s=round(statistics.median(s.booked_s for s in runs), 6),
+                ledger_plain_s=round(statistics.median(s.ledger_plain_s for s in runs), 6),
                 decode_runs=[round(s.decode_s, 6) for s in st],
                 sources=source_counts({n: (c.drafted, c.accepted) for n, c in s.sources.items()} for s in st),
                 prompt_tokens=st[0].prompt_tokens,

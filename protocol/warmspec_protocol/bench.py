@@ -95,6 +95,10 @@ class CaseResult(Struct, kw_only=True):
     # seconds the gate's ledger booked drafting as saving, by its clock (median; negative: lost).
     # Set beside plain's decode time less this mode's, it shows whether the ledger saw a loss
     booked_s: float = 0.0
+    # what the ledger priced a plain step at, from the request's steady plain steps (median
+    # seconds; 0: too few of them, it used the gate's estimate). Beside plain's decode time per
+    # token, it shows whether the price was right
+    ledger_plain_s: float = 0.0
     finish_reason: str = ""
     copy_fraction: float = 0.0
     load_avg: float = 0.0  # 1-minute load average after the case: above the core count, noisy
