@@ -35,6 +35,12 @@ Unverified proposals: a proposal gated off, or one that lost to another source's
 against what the step then emitted (``shadow`` / ``settle``), so every bin's estimate follows
 the text whether or not its proposals are verified.
 
+The request's calibration: the acceptance estimates are learned across requests, per source and
+bin, and a request that drafts worse than they say spreads its misses over many bins, each of
+which must learn on its own. So each request keeps, per source, the drafts it accepted against
+what the estimates expected of them, and scales every estimate of that source by the ratio
+(``calibration``).
+
 The ledger: everything above is an estimate. Each request also books what drafting actually
 saved, by the clock, and pauses drafting while the balance shows a loss past ``LOSS_SHARE`` of
 its decode time (``Ledger``), so that the floor under plain decoding holds where an estimate is
@@ -68,6 +74,10 @@ HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may co
 # plain on an H200 with 4-bit weights.
 MARGIN = 1.08
 MAX_SKIP = 16  # at most this many steps pass without a proposal
+# The request's calibration (``Gate.calibration``): how many expected first tokens of prior weight
+# it starts from (at a ratio of 1), and how far above 1 it may go.
+CALIBRATION_PRIOR = 2.0
+MAX_CALIBRATION = 1.25
 # The ledger (``Ledger``): what drafting may cost a request, measured, before it is paused; the
 # first pause, in steps (it doubles at each pause of the same request, up to the last); what
 # drafting may lose after it resumes, in plain steps, and over at least how many drafting steps.
@@ -490,12 +500,16 @@ class Gate:
         self._shadow: tuple[list[int], float, str] | None = None  # a proposal not verified (``shadow``)
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
         self.ledger = Ledger()  # the request's (``begin``)
+        # this request's proposals, per source: first tokens accepted, and the estimates' sum
+        self.accepted: dict[str, float] = {}
+        self.expected: dict[str, float] = {}
 
     def begin(self) -> None:
         """A request starts: a fresh ledger, and no proposal left over from one cut short."""
         self.ledger = Ledger()
         self.step_host_s = 0.0
         self._shadow = None
+        self.accepted, self.expected = {}, {}
 
     @staticmethod
     def bin(confidence: float, source: str = "") -> tuple[str, int]:
@@ -509,6 +523,29 @@ class Gate:
         b = self.bin(confidence, source)
         return self.rate.get(b, Rates(max(CONFIDENCE_BINS[b[1]], PRIOR_ACCEPTANCE)))
 
+    def calibration(self, source: str) -> float:
+        """How this request's proposals of ``source`` fare against the estimates: first tokens
+        accepted over the sum of their estimated first-token acceptance, from a prior of
+        ``CALIBRATION_PRIOR`` at a ratio of 1, at most ``MAX_CALIBRATION``. It scales the first-
+        token acceptance of every bin of the source when the gate chooses (``value``, ``depth``);
+        the estimates themselves learn as before. First tokens only: that is where prose misses,
+        and a long copy whose first token is right mostly goes on (``Rates``).
+
+        Why: on an H100 a 2-position pass cost 1.96 plain steps and an 8-position one 2.4, so a
+        failed draft cost one or two plain steps, and the estimates learned across requests let a
+        prose prompt after lists that copied well verify 144 drafts, accept 4 and run at 0.95x
+        plain (own-explain-18, ``docs/bench/gpu-s35``): its misses fell in several bins, each
+        cut by a tenth per miss (``DECAY``). Pooled per request, a few misses are enough."""
+        x = self.expected.get(source, 0.0)
+        if not x:
+            return 1.0
+        return min((self.accepted.get(source, 0.0) + CALIBRATION_PRIOR) / (x + CALIBRATION_PRIOR),
+                   MAX_CALIBRATION)
+
+    def _calibrated(self, rates: Rates, source: str) -> Rates:
+        c = self.calibration(source)
+        return rates if c == 1.0 else Rates(min(rates.first * c, 1.0), rates.later)
+
     def source_rates(self, source: str) -> Rates:
         """A source's acceptance over all its proposals (``PRIOR_ACCEPTANCE`` before any)."""
         return self.source_rate.get(source, Rates(PRIOR_ACCEPTANCE))
@@ -521,8 +558,8 @@ class Gate:
         k_max = min(available, self.max_draft)
         if k_max <= 0:
             return 0, 1.0 / self._plain_s(context)
-        return self._best(k_max, self.acceptance(confidence, source), context,
-                          self.host_source.get(source, self.host_s), self.per_token(source))
+        return self._best(k_max, self._calibrated(self.acceptance(confidence, source), source),
+                          context, self.host_source.get(source, self.host_s), self.per_token(source))
 
     def per_token(self, source: str) -> float:
         """Device seconds one drafted token of ``source`` adds to its verify pass (0 for drafts
@@ -569,7 +606,7 @@ class Gate:
             return 0
         if not self.enabled:
             return k_max
-        best_k, _ = self._best(k_max, self.source_rates(source), context,
+        best_k, _ = self._best(k_max, self._calibrated(self.source_rates(source), source), context,
                                self.host_source.get(source, 0.0), self.per_token(source))
         if best_k:
             self.unasked[source] = 0
@@ -621,7 +658,10 @@ class Gate:
         if drafted <= 0:
             return
         b = self.bin(confidence, source)
-        self.rate[b] = self.acceptance(confidence, source).update(drafted, accepted)
+        rates = self.acceptance(confidence, source)
+        self.expected[source] = self.expected.get(source, 0.0) + rates.first
+        self.accepted[source] = self.accepted.get(source, 0.0) + (accepted > 0)
+        self.rate[b] = rates.update(drafted, accepted)
         self.source_rate[source] = self.source_rates(source).update(drafted, accepted)
 
     def shadow(self, tokens: list[int], confidence: float, source: str) -> None:
