@@ -649,7 +649,8 @@ def test_a_request_whose_drafts_miss_stops_drafting_in_bins_it_has_not_tried():
     """Acceptance is learned per bin across requests; a request whose drafts fall short of the
     estimates scales every bin of that source down (``Gate.calibration``), so that misses spread
     over several bins stop drafting in the others too, while a long copy is still drafted, and the
-    next request starts from the estimates again. Costs as on an H100 (``docs/bench/gpu-s35``):
+    next request starts from the estimates again. The same for later tokens: first tokens right
+    and the rest wrong stop long drafts on a later rate learned in loops. Costs as on an H100 (``docs/bench/gpu-s35``):
     a failed draft costs one or two plain steps there."""
     from warmspec.core.gate import Gate
 
@@ -665,12 +666,21 @@ def test_a_request_whose_drafts_miss_stops_drafting_in_bins_it_has_not_tried():
     for confidence in (0.5, 2 / 3):  # this one: prose, two misses in each of two other bins
         for _ in range(2):
             gate.observe(confidence, 8, 0, source="request")
-    assert gate.calibration("request") < 0.5
+    assert gate.calibration("request")[0] < 0.5
     assert gate.choose(8, 0.75, source="request") == 0  # a bin this request has not tried
     assert gate.choose(16, 33 / 34, source="request") > 8  # a long copy still pays
-    assert gate.calibration("mtp") == 1.0  # another source's estimates are its own
+    assert gate.calibration("mtp") == (1.0, 1.0)  # another source's estimates are its own
     gate.begin()
     assert gate.choose(8, 0.75, source="request") > 0
+    # this one: first tokens right, the copy they start stops at once (a loop's estimates)
+    for _ in range(6):
+        gate.observe(33 / 34, 16, 16, source="request")  # an earlier request, looping
+    gate.begin()
+    assert gate.choose(16, 33 / 34, source="request") == 16
+    for confidence in (0.5, 2 / 3, 0.75) * 2:
+        gate.observe(confidence, 8, 1, source="request")
+    assert gate.calibration("request")[1] < 0.4
+    assert gate.choose(16, 33 / 34, source="request") <= 4
 
 
 class SlowWide:

@@ -74,10 +74,9 @@ HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may co
 # plain on an H200 with 4-bit weights.
 MARGIN = 1.08
 MAX_SKIP = 16  # at most this many steps pass without a proposal
-# The request's calibration (``Gate.calibration``): how many expected first tokens of prior weight
-# it starts from (at a ratio of 1), and how far above 1 it may go.
-CALIBRATION_PRIOR = 2.0
-MAX_CALIBRATION = 1.25
+# The request's calibration (``Gate.calibration``): how many expected accepted tokens of prior
+# weight each of its two ratios starts from, at a ratio of 1.
+CALIBRATION_PRIOR = 1.0
 # The ledger (``Ledger``): what drafting may cost a request, measured, before it is paused; the
 # first pause, in steps (it doubles at each pause of the same request, up to the last); what
 # drafting may lose after it resumes, in plain steps, and over at least how many drafting steps.
@@ -503,13 +502,15 @@ class Gate:
         # this request's proposals, per source: first tokens accepted, and the estimates' sum
         self.accepted: dict[str, float] = {}
         self.expected: dict[str, float] = {}
+        self.accepted_later: dict[str, float] = {}  # the same for tokens after an accepted one
+        self.expected_later: dict[str, float] = {}
 
     def begin(self) -> None:
         """A request starts: a fresh ledger, and no proposal left over from one cut short."""
         self.ledger = Ledger()
         self.step_host_s = 0.0
         self._shadow = None
-        self.accepted, self.expected = {}, {}
+        self.accepted, self.expected, self.accepted_later, self.expected_later = {}, {}, {}, {}
 
     @staticmethod
     def bin(confidence: float, source: str = "") -> tuple[str, int]:
@@ -523,28 +524,37 @@ class Gate:
         b = self.bin(confidence, source)
         return self.rate.get(b, Rates(max(CONFIDENCE_BINS[b[1]], PRIOR_ACCEPTANCE)))
 
-    def calibration(self, source: str) -> float:
-        """How this request's proposals of ``source`` fare against the estimates: first tokens
-        accepted over the sum of their estimated first-token acceptance, from a prior of
-        ``CALIBRATION_PRIOR`` at a ratio of 1, at most ``MAX_CALIBRATION``. It scales the first-
-        token acceptance of every bin of the source when the gate chooses (``value``, ``depth``);
-        the estimates themselves learn as before. First tokens only: that is where prose misses,
-        and a long copy whose first token is right mostly goes on (``Rates``).
+    def calibration(self, source: str) -> tuple[float, float]:
+        """How this request's drafts of ``source`` fare against the estimates, as two ratios, each
+        at most 1: first tokens accepted over the sum of their estimated acceptance, and later
+        tokens accepted (after an accepted one) over the sum of theirs; each from a prior of
+        ``CALIBRATION_PRIOR`` at 1. They scale every bin's two rates of that source when the gate
+        chooses (``value``, ``depth``); the estimates themselves learn as before.
 
-        Why: on an H100 a 2-position pass cost 1.96 plain steps and an 8-position one 2.4, so a
-        failed draft cost one or two plain steps, and the estimates learned across requests let a
-        prose prompt after lists that copied well verify 144 drafts, accept 4 and run at 0.95x
-        plain (own-explain-18, ``docs/bench/gpu-s35``): its misses fell in several bins, each
-        cut by a tenth per miss (``DECAY``). Pooled per request, a few misses are enough."""
-        x = self.expected.get(source, 0.0)
-        if not x:
-            return 1.0
-        return min((self.accepted.get(source, 0.0) + CALIBRATION_PRIOR) / (x + CALIBRATION_PRIOR),
-                   MAX_CALIBRATION)
+        Why: the estimates are learned across requests, and a prose request after lists that
+        copied well inherits them. On an H100, where a 2-position pass cost 1.96 plain steps and a
+        16-position one 2.4, own-explain-18 verified 144 drafts, accepted 4 and ran at 0.95x plain
+        (``docs/bench/gpu-s35``): its misses fell in several bins, each cut by a tenth per miss
+        (``DECAY``). Replayed on that table (``docs/bench/gpu-s36/simclock.py``), own-advice-08's
+        proposals had their first token right and 16 and more drafts behind it, on a later rate of
+        0.99 learned in loops, and the second was rejected, 40 times. Pooled per request, a few
+        misses are enough. In those replays (our 36 and the public 10 prose prompts, six case
+        orders) prompts below 0.97x fell from 5.3 and 2.0 a run to 3.2 and 0.2; a prior of 2 moved
+        them less (4.8 and 1.8), and letting the ratios rise above 1 drafted more where a
+        request's first drafts happened to be right (4.0 and 0.8)."""
+        ratios = []
+        for accepted, expected in ((self.accepted, self.expected),
+                                   (self.accepted_later, self.expected_later)):
+            x = expected.get(source, 0.0)
+            ratios.append(1.0 if not x else min(
+                (accepted.get(source, 0.0) + CALIBRATION_PRIOR) / (x + CALIBRATION_PRIOR), 1.0))
+        return ratios[0], ratios[1]
 
     def _calibrated(self, rates: Rates, source: str) -> Rates:
-        c = self.calibration(source)
-        return rates if c == 1.0 else Rates(min(rates.first * c, 1.0), rates.later)
+        first, later = self.calibration(source)
+        if first == 1.0 and later == 1.0:
+            return rates
+        return Rates(rates.first * first, rates.later * later)
 
     def source_rates(self, source: str) -> Rates:
         """A source's acceptance over all its proposals (``PRIOR_ACCEPTANCE`` before any)."""
@@ -661,6 +671,10 @@ class Gate:
         rates = self.acceptance(confidence, source)
         self.expected[source] = self.expected.get(source, 0.0) + rates.first
         self.accepted[source] = self.accepted.get(source, 0.0) + (accepted > 0)
+        later = min(accepted + 1, drafted) - 1  # later tokens judged (as ``Rates.update``)
+        if later > 0:
+            self.expected_later[source] = self.expected_later.get(source, 0.0) + later * rates.later
+            self.accepted_later[source] = self.accepted_later.get(source, 0.0) + accepted - 1
         self.rate[b] = rates.update(drafted, accepted)
         self.source_rate[source] = self.source_rates(source).update(drafted, accepted)
 
