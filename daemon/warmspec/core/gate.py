@@ -37,9 +37,9 @@ the text whether or not its proposals are verified.
 
 The request's calibration: the acceptance estimates are learned across requests, per source and
 bin, and a request that drafts worse than they say spreads its misses over many bins, each of
-which must learn on its own. So each request keeps, per source, the drafts it accepted against
-what the estimates expected of them, and scales every estimate of that source by the ratio
-(``calibration``).
+which must learn on its own. So each request keeps, per source, its first and later tokens
+accepted against what the estimates expected of them, and scales every estimate of that source
+by the two ratios, never up (``calibration``).
 
 The ledger: everything above is an estimate. Each request also books what drafting actually
 saved, by the clock, and pauses drafting while the balance shows a loss past ``LOSS_SHARE`` of
