@@ -629,7 +629,6 @@ def test_a_drafts_first_token_and_the_rest_are_estimated_apart():
         bursty.observe(0.5, 2, 2, source="s")
         for _ in range(3):
             bursty.observe(0.5, 2, 0, source="s")
-    bursty.begin()  # that history was earlier requests': this one is not calibrated yet
     rates = bursty.acceptance(0.5, "s")
     assert 0.2 < rates.first < 0.3 and rates.cont > 0.8  # from the prior, 0.5, after 10 hits
     assert bursty.choose(8, 0.5, source="s") >= 6
@@ -643,44 +642,6 @@ def test_a_drafts_first_token_and_the_rest_are_estimated_apart():
     assert rare.acceptance(0.5, "s").first < 0.15
     assert rare.choose(8, 0.5, source="s") == 0
     assert Rates(0.25, 1.0).expected(8) == 3.0 and Rates(0.5, 0.5).expected(2) == 1.75
-
-
-def test_a_request_whose_drafts_miss_stops_drafting_in_bins_it_has_not_tried():
-    """Acceptance is learned per bin across requests; a request whose drafts fall short of the
-    estimates scales every bin of that source down (``Gate.calibration``), so that misses spread
-    over several bins stop drafting in the others too, while a long copy is still drafted, and the
-    next request starts from the estimates again. The same for later tokens: first tokens right
-    and the rest wrong stop long drafts on a later rate learned in loops. Costs as on an H100 (``docs/bench/gpu-s35``):
-    a failed draft costs one or two plain steps there."""
-    from warmspec.core.gate import Gate
-
-    costs = CostTable({0: {1: 0.003, 2: 0.005, 4: 0.006, 16: 0.0062}}, {0: 0.0025})
-    gate = Gate(costs, max_draft=16)
-    gate.pipelined = True
-    for confidence in (0.5, 2 / 3, 0.75):  # earlier requests: lists that copied well
-        for _ in range(3):
-            gate.observe(confidence, 4, 4, source="request")
-            gate.observe(confidence, 4, 1, source="request")
-    gate.begin()
-    assert gate.choose(8, 0.75, source="request") > 0
-    for confidence in (0.5, 2 / 3):  # this one: prose, two misses in each of two other bins
-        for _ in range(2):
-            gate.observe(confidence, 8, 0, source="request")
-    assert gate.calibration("request")[0] < 0.5
-    assert gate.choose(8, 0.75, source="request") == 0  # a bin this request has not tried
-    assert gate.choose(16, 33 / 34, source="request") > 8  # a long copy still pays
-    assert gate.calibration("mtp") == (1.0, 1.0)  # another source's estimates are its own
-    gate.begin()
-    assert gate.choose(8, 0.75, source="request") > 0
-    # this one: first tokens right, the copy they start stops at once (a loop's estimates)
-    for _ in range(6):
-        gate.observe(33 / 34, 16, 16, source="request")  # an earlier request, looping
-    gate.begin()
-    assert gate.choose(16, 33 / 34, source="request") == 16
-    for confidence in (0.5, 2 / 3, 0.75) * 2:
-        gate.observe(confidence, 8, 1, source="request")
-    assert gate.calibration("request")[1] < 0.4
-    assert gate.choose(16, 33 / 34, source="request") <= 4
 
 
 class SlowWide:
