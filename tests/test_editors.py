@@ -426,11 +426,12 @@ def test_feedback_is_counted_per_document_and_language_and_accepted_text_is_a_so
     assert lang.accepted >= 1 and lang.chars_accepted >= len(suggestion)
     accepted = d.root / ".warmspec-accepted.python"
     ws = d.app.workspace
-    # the partial and the whole acceptance are indexed in turn, off the connection's thread: wait
-    # for the second (waiting for the file to be indexed at all read the first in a fresh CI)
-    wait_until(lambda: (ws.document_text(accepted.as_uri()) or "").endswith(suggestion),
-               "the accepted text to be indexed")
-    assert accepted in ws.files
+    # the partial and the whole acceptance are indexed in turn, off the connection's thread, and
+    # each is stored as the document's text before its index is built: wait for the second text
+    # and for an index (waiting for either alone failed in a fresh CI: the index alone was the
+    # partial's, the text alone came before any index)
+    wait_until(lambda: (ws.document_text(accepted.as_uri()) or "").endswith(suggestion)
+               and accepted in ws.files, "the accepted text to be indexed")
     index = next(i for i, p in ws.sources() if i.name == str(accepted))
     assert dict((i.name, p) for i, p in ws.sources())[index.name] == PRIORITY_OPEN
     metrics = Context(d.app, 1.0).prometheus()
