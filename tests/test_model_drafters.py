@@ -218,3 +218,22 @@ def test_tapping_the_hidden_state_adds_no_parameter():
     mx.eval(lm.model(mx.array([random_tokens(8, seed=1)])))
     assert target._tap.last is not None
     assert size() == before
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_the_cost_probes_feed_only_ids_of_the_vocabulary(tmp_path, monkeypatch, arch):
+    """The verify-cost and head-cost probes run the model on made-up ids. MLX's CPU embedding
+    lookup does not check its index: ids up to 1000 on a 256-token model read outside the table
+    and crashed one test run in seven (a segmentation fault in ``measure_head``). The hybrid's
+    vocabulary size is nested in its config, where ``args.vocab_size`` missed it."""
+    lm = tiny.build(arch)
+    head = load_mtp(write_checkpoint(tmp_path / "ckpt", lm, arch, copy_head_tensors(lm)), lm)
+    embed = head.parts.embed
+    seen = []
+    original = type(embed).__call__
+    monkeypatch.setattr(type(embed), "__call__", lambda self, x: seen.append(int(x.max())) or original(self, x))
+    e = Engine(lm, mtp=head, drafting="mtp")
+    assert e.target.vocab_size == tiny.VOCAB
+    e.measure_costs(contexts=(16,), repeats=1)
+    e.measure_head(context=16, repeats=1)
+    assert seen and max(seen) < tiny.VOCAB

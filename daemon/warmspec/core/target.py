@@ -70,6 +70,12 @@ class Target:
         self.replays = 0  # extra passes spent restoring recurrent state after a rejection
         self._tap: _Tap | None = None
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: the ids a pass may be fed (a lookup past them reads
+        outside the table; MLX does not check on the CPU)."""
+        return int(_inner(self.model).embed_tokens.weight.shape[0])
+
     def tap_hidden(self) -> None:
         inner = _inner(self.model)
         if self._tap is None:
