@@ -105,9 +105,11 @@ def test_bench_end_to_end(default_lm, tmp_path):
         assert [sum(c[0] for c in r.sources.values()), sum(c[1] for c in r.sources.values())] == \
             [r.drafted, r.accepted]
         assert r.mode == "ngram" or r.sources == {}
-    # the echo drafts from the request itself, and the gate's ledger booked that as a saving
+    # the echo drafts from the request itself, and the gate's ledger booked it (its sign is the
+    # clock's: 8 tokens on a busy host booked -21 ms in a fresh CI; the ledger's arithmetic is
+    # tested on given times in test_speculative)
     assert next(r for r in echo if r.mode == "ngram").sources["request"][1] > 0
-    assert echo[1].booked_s > 0 and echo[0].booked_s == 0.0
+    assert echo[1].booked_s != 0.0 and echo[0].booked_s == 0.0
     # the ledger's price of a plain step, from a request's own steady plain steps (plain: none)
     assert all(r.ledger_plain_s == 0.0 for r in res.cases if r.mode == "plain")
     assert any(r.ledger_plain_s > 0.0 for r in ngram_rows)
