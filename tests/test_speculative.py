@@ -629,6 +629,7 @@ def test_a_drafts_first_token_and_the_rest_are_estimated_apart():
         bursty.observe(0.5, 2, 2, source="s")
         for _ in range(3):
             bursty.observe(0.5, 2, 0, source="s")
+    bursty.begin()  # that history was earlier requests': this one is not calibrated yet
     rates = bursty.acceptance(0.5, "s")
     assert 0.2 < rates.first < 0.3 and rates.cont > 0.8  # from the prior, 0.5, after 10 hits
     assert bursty.choose(8, 0.5, source="s") >= 6
@@ -643,6 +644,73 @@ def test_a_drafts_first_token_and_the_rest_are_estimated_apart():
     assert rare.choose(8, 0.5, source="s") == 0
     assert Rates(0.25, 1.0).expected(8) == 3.0 and Rates(0.5, 0.5).expected(2) == 1.75
 
+
+def test_a_request_whose_drafts_miss_stops_drafting_in_bins_it_has_not_tried():
+    """Acceptance is learned per bin across requests; a request whose drafts fall short of the
+    estimates scales every bin of that source down (``Gate.calibration``), so that misses spread
+    over several bins stop drafting in the others too, while a long copy is still drafted, and the
+    next request starts from the estimates again. The same for later tokens: first tokens right
+    and the rest wrong stop long drafts on a later rate learned in loops. Costs as on an H100 (``docs/bench/gpu-s35``):
+    a failed draft costs one or two plain steps there."""
+    from warmspec.core.gate import Gate
+
+    costs = CostTable({0: {1: 0.003, 2: 0.005, 4: 0.006, 16: 0.0062}}, {0: 0.0025})
+    gate = Gate(costs, max_draft=16)
+    gate.pipelined = True
+    for confidence in (0.5, 2 / 3, 0.75):  # earlier requests: lists that copied well
+        for _ in range(3):
+            gate.observe(confidence, 4, 4, source="request")
+            gate.observe(confidence, 4, 1, source="request")
+    gate.begin()
+    assert gate.choose(8, 0.75, source="request") > 0
+    for confidence in (0.5, 2 / 3):  # this one: prose, two misses in each of two other bins
+        for _ in range(2):
+            gate.observe(confidence, 8, 0, source="request")
+    assert gate.calibration("request")[0] < 0.5
+    assert gate.choose(8, 0.75, source="request") == 0  # a bin this request has not tried
+    assert gate.choose(16, 33 / 34, source="request") > 8  # a long copy still pays
+    assert gate.calibration("mtp") == (1.0, 1.0)  # another source's estimates are its own
+    gate.begin()
+    assert gate.choose(8, 0.75, source="request") > 0
+    # this one: first tokens right, the copy they start stops at once (a loop's estimates)
+    for _ in range(6):
+        gate.observe(33 / 34, 16, 16, source="request")  # an earlier request, looping
+    gate.begin()
+    assert gate.choose(16, 33 / 34, source="request") == 16
+    for confidence in (0.5, 2 / 3, 0.75) * 2:
+        gate.observe(confidence, 8, 1, source="request")
+    assert gate.calibration("request")[1] < 0.4
+    assert gate.choose(16, 33 / 34, source="request") <= 4
+
+
+
+def test_a_request_whose_first_drafts_miss_drafts_again_when_its_text_turns_to_copying():
+    """The request's calibration forgets (``CALIBRATION_DECAY``): summed over the request, a
+    start of misses kept the ratio low for the rest of it, and a prompt whose answer copied
+    later ran at 0.94x plain against 1.53x without it on an H100 (own-essay-05,
+    ``docs/bench/gpu-s37``). Its proposals are still scored while gated off (``settle``), and
+    once they come right about as often as the estimates say, the request drafts again."""
+    from warmspec.core.gate import Gate
+
+    costs = CostTable({0: {1: 0.003, 2: 0.005, 4: 0.006, 16: 0.0062}}, {0: 0.0025})
+    gate = Gate(costs, max_draft=16)
+    gate.pipelined = True
+    for _ in range(10):  # earlier requests: short and longer matches right most of the time
+        for confidence in (0.5, 2 / 3, 0.75, 5 / 6):
+            gate.observe(confidence, 4, 4, source="request")
+            gate.observe(confidence, 4, 0, source="request")
+    gate.begin()
+    for _ in range(7):  # this one starts with misses in three bins
+        for confidence in (0.5, 2 / 3, 0.75):
+            gate.observe(confidence, 4, 0, source="request")
+    assert gate.calibration("request")[0] < 0.3
+    assert gate.choose(8, 5 / 6, source="request") == 0  # a bin it has not tried
+    for i in range(15):  # then it copies: as often right as the estimate says (3 in 5)
+        hit = i % 5 < 3
+        gate.shadow([1, 2, 3, 4], 5 / 6, "request")
+        gate.settle([1, 2, 3, 4, 5] if hit else [9])
+    assert gate.calibration("request")[0] > 0.8
+    assert gate.choose(8, 5 / 6, source="request") >= 2
 
 class SlowWide:
     """The model, holding the host ``delay`` seconds before every pass wider than one position

@@ -35,6 +35,12 @@ Unverified proposals: a proposal gated off, or one that lost to another source's
 against what the step then emitted (``shadow`` / ``settle``), so every bin's estimate follows
 the text whether or not its proposals are verified.
 
+The request's calibration: the acceptance estimates are learned across requests, per source and
+bin, and a request that drafts worse than they say spreads its misses over many bins, each of
+which must learn on its own. So each request keeps, per source, its first and later tokens
+accepted against what the estimates expected of them, over about its last ten proposals, and
+scales every estimate of that source by the two ratios, never up (``calibration``).
+
 The ledger: everything above is an estimate. Each request also books what drafting actually
 saved, by the clock, and pauses drafting while the balance shows a loss past ``LOSS_SHARE`` of
 its decode time (``Ledger``), so that the floor under plain decoding holds where an estimate is
@@ -68,6 +74,11 @@ HOST_SHARE = 0.01  # most of a plain step's time that fruitless proposing may co
 # plain on an H200 with 4-bit weights.
 MARGIN = 1.08
 MAX_SKIP = 16  # at most this many steps pass without a proposal
+# The request's calibration (``Gate.calibration``): how many expected accepted tokens of prior
+# weight each of its two ratios starts from, at a ratio of 1; and the weight its tallies keep per
+# proposal observed (they forget over about ten proposals, as a bin does: ``DECAY``).
+CALIBRATION_PRIOR = 1.0
+CALIBRATION_DECAY = 0.9
 # The ledger (``Ledger``): what drafting may cost a request, measured, before it is paused; the
 # first pause, in steps (it doubles at each pause of the same request, up to the last); what
 # drafting may lose after it resumes, in plain steps, and over at least how many drafting steps.
@@ -490,12 +501,18 @@ class Gate:
         self._shadow: tuple[list[int], float, str] | None = None  # a proposal not verified (``shadow``)
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
         self.ledger = Ledger()  # the request's (``begin``)
+        # this request's proposals, per source: first tokens accepted, and the estimates' sum
+        self.accepted: dict[str, float] = {}
+        self.expected: dict[str, float] = {}
+        self.accepted_later: dict[str, float] = {}  # the same for tokens after an accepted one
+        self.expected_later: dict[str, float] = {}
 
     def begin(self) -> None:
         """A request starts: a fresh ledger, and no proposal left over from one cut short."""
         self.ledger = Ledger()
         self.step_host_s = 0.0
         self._shadow = None
+        self.accepted, self.expected, self.accepted_later, self.expected_later = {}, {}, {}, {}
 
     @staticmethod
     def bin(confidence: float, source: str = "") -> tuple[str, int]:
@@ -509,6 +526,45 @@ class Gate:
         b = self.bin(confidence, source)
         return self.rate.get(b, Rates(max(CONFIDENCE_BINS[b[1]], PRIOR_ACCEPTANCE)))
 
+    def calibration(self, source: str) -> tuple[float, float]:
+        """How this request's drafts of ``source`` fare against the estimates, as two ratios, each
+        at most 1: first tokens accepted over the sum of their estimated acceptance, and later
+        tokens accepted (after an accepted one) over the sum of theirs; each from a prior of
+        ``CALIBRATION_PRIOR`` at 1, the tallies decayed by ``CALIBRATION_DECAY`` per proposal
+        observed (verified or scored unverified). They scale every bin's two rates of that source
+        when the gate chooses (``value``, ``depth``); the estimates themselves learn as before.
+
+        Why: the estimates are learned across requests, and a prose request after lists that
+        copied well inherits them. On an H100 own-explain-18 verified 168 drafts, accepted 4 and
+        ran at 0.92x plain, own-advice-06 260 drafts, 6 accepted, 0.77x: their misses fall in
+        several bins, each cut by a tenth per miss (``DECAY``), while pooled per request a few
+        misses are enough (with it, two runs: 12 and 122 drafts, 0.97x and 1.02x; 22 and none,
+        0.97x and 1.00x).
+
+        Why decayed: summed over the whole request (stop 37), a request whose first drafts
+        missed never drafted again when its text later copied (own-essay-05 0.94x against 1.53x
+        without; ``docs/bench/gpu-s37``), and it cost 5-8% of the aggregate without lifting the
+        floor. Decayed, on one H100 lease, our 36 prose prompts twice in each order (medians of
+        3, ``docs/bench/gpu-s38``): prompts below 0.97x 4 and 3 against 4 (of 34) and 6 without
+        it, the slowest 0.94x and 0.90x (a prompt that drafted nothing) against 0.77x and 0.91x,
+        at 2-3% of the aggregate (per-prompt geomean 1.231 and 1.215 against 1.274 and 1.243);
+        public prose 1.88 against 1.90, slowest 1.12x against 1.08x. Letting the ratios rise
+        above 1 drafted more where a request's first drafts happened to be right, and in the
+        replays of ``docs/bench/gpu-s36`` left more prompts below 0.97x."""
+        ratios = []
+        for accepted, expected in ((self.accepted, self.expected),
+                                   (self.accepted_later, self.expected_later)):
+            x = expected.get(source, 0.0)
+            ratios.append(1.0 if not x else min(
+                (accepted.get(source, 0.0) + CALIBRATION_PRIOR) / (x + CALIBRATION_PRIOR), 1.0))
+        return ratios[0], ratios[1]
+
+    def _calibrated(self, rates: Rates, source: str) -> Rates:
+        first, later = self.calibration(source)
+        if first == 1.0 and later == 1.0:
+            return rates
+        return Rates(rates.first * first, rates.later * later)
+
     def source_rates(self, source: str) -> Rates:
         """A source's acceptance over all its proposals (``PRIOR_ACCEPTANCE`` before any)."""
         return self.source_rate.get(source, Rates(PRIOR_ACCEPTANCE))
@@ -521,8 +577,8 @@ class Gate:
         k_max = min(available, self.max_draft)
         if k_max <= 0:
             return 0, 1.0 / self._plain_s(context)
-        return self._best(k_max, self.acceptance(confidence, source), context,
-                          self.host_source.get(source, self.host_s), self.per_token(source))
+        return self._best(k_max, self._calibrated(self.acceptance(confidence, source), source),
+                          context, self.host_source.get(source, self.host_s), self.per_token(source))
 
     def per_token(self, source: str) -> float:
         """Device seconds one drafted token of ``source`` adds to its verify pass (0 for drafts
@@ -569,7 +625,7 @@ class Gate:
             return 0
         if not self.enabled:
             return k_max
-        best_k, _ = self._best(k_max, self.source_rates(source), context,
+        best_k, _ = self._best(k_max, self._calibrated(self.source_rates(source), source), context,
                                self.host_source.get(source, 0.0), self.per_token(source))
         if best_k:
             self.unasked[source] = 0
@@ -621,7 +677,17 @@ class Gate:
         if drafted <= 0:
             return
         b = self.bin(confidence, source)
-        self.rate[b] = self.acceptance(confidence, source).update(drafted, accepted)
+        rates = self.acceptance(confidence, source)
+        for tally in (self.expected, self.accepted, self.expected_later, self.accepted_later):
+            if source in tally:
+                tally[source] *= CALIBRATION_DECAY
+        self.expected[source] = self.expected.get(source, 0.0) + rates.first
+        self.accepted[source] = self.accepted.get(source, 0.0) + (accepted > 0)
+        later = min(accepted + 1, drafted) - 1  # later tokens judged (as ``Rates.update``)
+        if later > 0:
+            self.expected_later[source] = self.expected_later.get(source, 0.0) + later * rates.later
+            self.accepted_later[source] = self.accepted_later.get(source, 0.0) + accepted - 1
+        self.rate[b] = rates.update(drafted, accepted)
         self.source_rate[source] = self.source_rates(source).update(drafted, accepted)
 
     def shadow(self, tokens: list[int], confidence: float, source: str) -> None:
