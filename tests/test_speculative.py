@@ -843,3 +843,54 @@ def test_the_gate_books_a_plain_step_less_the_proposing_done_in_it():
     assert gate.ledger.plain_mean == pytest.approx(0.006) and gate.step_host_s == 0.0
     gate.observe_step(1, 0.010, drafting=False, context=64)  # nothing proposed in it
     assert gate.ledger.plain_mean == pytest.approx(0.9 * 0.006 + 0.1 * 0.010)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_ids_past_the_embedding_are_refused_in_prompts_and_cut_from_drafts(arch):
+    """A tokenizer that does not match the weights could make a pass look up an id past the
+    embedding's rows, which MLX's CPU lookup does not check (it reads outside the table; a test
+    model fed such ids crashed a run with a segmentation fault). A prompt holding one is refused
+    with an ``EngineError`` and the engine serves the next request; a proposal holding one is
+    verified up to it, and the output stays plain's."""
+    from warmspec.core.engine import EngineError
+
+    lm = tiny.build(arch)
+    prompt = np.random.default_rng(5).integers(0, tiny.VOCAB, 20).tolist()
+    plain, _ = decode(lm, prompt, 40)
+    engine = Engine(lm, speculate=True, costs=CostTable(CHEAP.points), gated=False, observe_costs=False)
+    assert engine.input_rows == tiny.VOCAB
+    with pytest.raises(EngineError, match="no row in the model's embedding"):
+        decode(lm, prompt[:-1] + [tiny.VOCAB + 3], 8, engine=engine, speculate=True)
+
+    fed = []
+    model = engine._model
+    call = type(model).__call__
+
+    class Recording(type(model)):
+        def __call__(self, inputs, *a, **k):
+            fed.append(int(inputs.max()))
+            return call(self, inputs, *a, **k)
+
+    model.__class__ = Recording
+    try:
+        class Bad:
+            """Plain's continuation with an id past the embedding third."""
+            wants_hidden = False
+
+            def __init__(self):
+                self.pos = 0
+
+            def commit(self, tokens, hidden=None):
+                self.pos += len(tokens)
+
+            def propose(self, k):
+                guess = plain[self.pos: self.pos + 5]
+                if len(guess) > 2:
+                    guess[2] = tiny.VOCAB + 7
+                return Proposal(tokens=guess, confidence=0.98, source="script") if guess else None
+
+        spec, stats = decode(lm, prompt, 40, drafter=Bad(), speculate=True, engine=engine)
+    finally:
+        model.__class__ = type(model).__mro__[1]
+    assert spec == plain
+    assert stats.accepted > 0 and max(fed) < tiny.VOCAB

@@ -210,6 +210,7 @@ class Engine:
         self.capture = (recurrent_rollback == "capture" and has_recurrent(self.live.cache)
                         and hybrid.supports(self.model) and hybrid.capture_exact(self.model))
         self.target = Target(self._model, capture=self.capture)
+        self.input_rows = self.target.vocab_size  # ids a pass may be fed (None: not checked)
         # Which guess source drafts: "ngram" (the conversation, files read, recent answers),
         # "mtp" (the model's MTP head) or "draft" (a draft model); by default the model drafter
         # when one is loaded.
@@ -281,7 +282,7 @@ class Engine:
     def measure_costs(self, contexts: Sequence[int] = (64, 1024), repeats: int = 2) -> CostTable:
         """Time verify passes of the widths the gate may pick, on a scratch cache, at a short
         and a long context (a few seconds on a CPU)."""
-        vocab = self.target.vocab_size  # not ``args.vocab_size``: hybrids and llama4 nest it
+        vocab = self.target.vocab_size or 1000  # not ``args.vocab_size``: hybrids and llama4 nest it
         rng = np.random.default_rng(0)
         ids = lambda n: rng.integers(0, min(vocab, 30000), size=n).tolist()  # noqa: E731
         state = {"context": -1, "cache": None}
@@ -341,7 +342,7 @@ class Engine:
         rng = np.random.default_rng(0)
         # ids the embedding has rows for, as ``measure_costs`` (ids up to 1000 on a 256-token test
         # model read outside the table and crashed a test run in seven)
-        tokens = mx.array(rng.integers(0, min(self.target.vocab_size, 1000), size=(1, context)))
+        tokens = mx.array(rng.integers(0, min(self.target.vocab_size or 1000, 1000), size=(1, context)))
         hidden = mx.array(rng.standard_normal((1, context, head.parts.hidden_size)).astype(np.float32))
         hidden = hidden.astype(head.parts.embed(tokens[:, :1]).dtype)  # as the target's states
         cache = head.make_cache()
@@ -457,6 +458,11 @@ class Engine:
         prompt = list(prompt)
         if not prompt:
             raise EngineError("empty prompt")
+        rows = self.input_rows
+        if rows is not None and not 0 <= min(prompt) <= max(prompt) < rows:
+            bad = next(t for t in prompt if not 0 <= t < rows)
+            raise EngineError(f"token id {bad} has no row in the model's embedding ({rows} rows): "
+                              "the tokenizer does not match the weights")
         limit = self.lm.context_length
         if limit and len(prompt) >= limit:
             raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {limit}")
@@ -758,9 +764,11 @@ class Engine:
             k = proposal.width
         elif proposal is not None:
             # nothing after an end-of-sequence token can be emitted: don't verify it
-            eos = self.tokenizer.eos_ids
-            available = next((i + 1 for i, tok in enumerate(proposal.tokens) if tok in eos),
-                             len(proposal.tokens))
+            # nor an id the embedding has no row for (a tokenizer that does not match the
+            # weights; a lookup past the table reads outside it, unchecked on the CPU)
+            eos, rows = self.tokenizer.eos_ids, self.input_rows or 1 << 62
+            available = next((i + (tok in eos) for i, tok in enumerate(proposal.tokens)
+                              if tok in eos or not 0 <= tok < rows), len(proposal.tokens))
             k = gate.choose(available, proposal.confidence, len(self.cache_tokens),
                             source=proposal.source)
             if k == 0:

@@ -71,10 +71,12 @@ class Target:
         self._tap: _Tap | None = None
 
     @property
-    def vocab_size(self) -> int:
+    def vocab_size(self) -> int | None:
         """Rows of the input embedding: the ids a pass may be fed (a lookup past them reads
-        outside the table; MLX does not check on the CPU)."""
-        return int(_inner(self.model).embed_tokens.weight.shape[0])
+        outside the table; MLX does not check on the CPU). None for a model without one (the
+        bench's replay model reads a script, not an embedding)."""
+        embed = getattr(_inner(self.model), "embed_tokens", None)
+        return None if embed is None else int(embed.weight.shape[0])
 
     def tap_hidden(self) -> None:
         inner = _inner(self.model)
