@@ -18,6 +18,7 @@
 #   pubprose   prose-public.jsonl, --repeat 3, float32
 #   ownprose   bench/prose-own.jsonl, --repeat 3, float32
 #   q4pubprose prose-public.jsonl, --repeat 3, 4-bit
+#   q4ownprose bench/prose-own.jsonl, --repeat 3, 4-bit
 #   q4optiq    edits-public.jsonl + prose-public.jsonl, warmspec plain and n-gram against OptiQ
 #              0.7.7's n-gram path (docs/bench/peer-optiq/side_by_side.py), 4-bit; OptiQ's unzipped
 #              wheel carried as .gpu-optiq/src (that script's docstring says how)
@@ -57,6 +58,7 @@ for step in "$@"; do
     pubprose) args="$shared/prose-public.jsonl --repeat 3 --weights float32" ;;
     ownprose) args="bench/prose-own.jsonl --repeat 3 --weights float32" ;;
     q4pubprose) args="$shared/prose-public.jsonl --repeat 3 --weights quantized" ;;
+    q4ownprose) args="bench/prose-own.jsonl --repeat 3 --weights quantized" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
   echo "== $step: $run $args $limit ${EXTRA:-}"
