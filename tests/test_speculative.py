@@ -712,6 +712,34 @@ def test_a_request_whose_first_drafts_miss_drafts_again_when_its_text_turns_to_c
     assert gate.calibration("request")[0] > 0.8
     assert gate.choose(8, 5 / 6, source="request") >= 2
 
+
+def test_a_head_right_half_the_time_keeps_drafting_after_a_run_of_misses():
+    """A source asked before it proposes (``Gate.depth``: an MTP head) is not calibrated: it is
+    not scored while not asked, and its rate over its proposals already follows the request.
+    With the calibration, four misses in a row of a head right half the time turned it off
+    (costs as on this 2-core CPU: a wider pass costs little more than one position); a head
+    that keeps missing still stops, by its own rate."""
+    from warmspec.core.gate import Gate
+    from warmspec.core.drafters import LAZY_CONFIDENCE
+
+    costs = CostTable({0: {1: 0.060, 2: 0.063, 4: 0.068, 16: 0.095}}, {0: 0.060})
+    gate = Gate(costs, max_draft=16)
+    gate.device_source["mtp"] = 0.0025
+    for i in range(40):  # earlier requests: right half the time
+        gate.observe(LAZY_CONFIDENCE, 2, i % 2, source="mtp")
+    gate.begin()
+    assert gate.depth("mtp", 4) >= 1
+    for _ in range(4):  # this request: a run of misses, as a coin right half the time throws
+        gate.observe(LAZY_CONFIDENCE, 1, 0, source="mtp")
+    assert gate.depth("mtp", 4) >= 1 and gate.choose(4, LAZY_CONFIDENCE, source="mtp") >= 1
+    assert gate.calibration("mtp") == (1.0, 1.0)
+    for _ in range(20):  # a head that keeps missing stops by its own rate
+        gate.observe(LAZY_CONFIDENCE, 1, 0, source="mtp")
+    assert gate.depth("mtp", 4) == 0
+    assert gate.calibration("request") == (1.0, 1.0)  # n-gram, proposed on the host, is calibrated
+    gate.observe(0.5, 4, 0, source="request")
+    assert gate.calibration("request")[0] < 1.0
+
 class SlowWide:
     """The model, holding the host ``delay`` seconds before every pass wider than one position
     (prefill chunks and verify passes): drafting that costs more than it saves."""

@@ -39,7 +39,8 @@ The request's calibration: the acceptance estimates are learned across requests,
 bin, and a request that drafts worse than they say spreads its misses over many bins, each of
 which must learn on its own. So each request keeps, per source, its first and later tokens
 accepted against what the estimates expected of them, over about its last ten proposals, and
-scales every estimate of that source by the two ratios, never up (``calibration``).
+scales every estimate of that source by the two ratios, never up (``calibration``); not for a
+source asked before it proposes (an MTP head), whose own rate already follows the request.
 
 The ledger: everything above is an estimate. Each request also books what drafting actually
 saved, by the clock, and pauses drafting while the balance shows a loss past ``LOSS_SHARE`` of
@@ -497,6 +498,7 @@ class Gate:
         self.overlapped = False
         self.source_rate: dict[str, Rates] = {}  # acceptance of a source, all bins
         self.unasked: dict[str, int] = {}  # steps a source was not asked since it last was (probes)
+        self.asked: set[str] = set()  # sources asked before they propose (``depth``): not calibrated
         self.skip = 0  # steps left to pass without proposing
         self._shadow: tuple[list[int], float, str] | None = None  # a proposal not verified (``shadow``)
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
@@ -550,7 +552,18 @@ class Gate:
         at 2-3% of the aggregate (per-prompt geomean 1.231 and 1.215 against 1.274 and 1.243);
         public prose 1.88 against 1.90, slowest 1.12x against 1.08x. Letting the ratios rise
         above 1 drafted more where a request's first drafts happened to be right, and in the
-        replays of ``docs/bench/gpu-s36`` left more prompts below 0.97x."""
+        replays of ``docs/bench/gpu-s36`` left more prompts below 0.97x.
+
+        Not for a source asked before it proposes (``depth``: an MTP head, whose drafts cost
+        device time): it is not scored while it is not asked, so a ratio a run of misses pulled
+        down hardly recovers, and its rate over all its proposals (``source_rates``, decayed per
+        proposal) already follows the request, so the ratio counted the same misses twice. Four
+        misses in a row of a head right half the time turned it off. On a 2-core CPU, public
+        prose, medians of 3 (``docs/bench/cpu-s39``): with it the shipped head drafted 589 tokens
+        (266 accepted) and n-gram + head ran 1.13x plain against n-gram's 1.16x, slowest 0.90x;
+        without it 712 (309), 1.24x against 1.21x, slowest 1.04x."""
+        if source in self.asked:
+            return 1.0, 1.0
         ratios = []
         for accepted, expected in ((self.accepted, self.expected),
                                    (self.accepted_later, self.expected_later)):
@@ -625,6 +638,7 @@ class Gate:
             return 0
         if not self.enabled:
             return k_max
+        self.asked.add(source)
         best_k, _ = self._best(k_max, self._calibrated(self.source_rates(source), source), context,
                                self.host_source.get(source, 0.0), self.per_token(source))
         if best_k:
