@@ -154,33 +154,15 @@ def test_unseen_prompts_share_no_template_or_topic_with_training_nor_the_bench()
     may be one the training answers used, and none of its prompts one the bench measures."""
     unseen = forge.unseen_prompts(1000)
     assert len(unseen) == len(set(unseen)) == len(forge.UNSEEN_TEMPLATES) * len(forge.UNSEEN_TOPICS)
-    assert not set(forge.UNSEEN_TOPICS) & set(forge.TOPICS + forge.MORE_TOPICS)
-    assert not set(forge.UNSEEN_TEMPLATES) & set(forge.TEMPLATES + forge.ASKS)
-    templates = forge.prompts(10 ** 6, 0)
-    composed = forge.prompts(10 ** 6, 0, "composed")
-    assert len(templates) == len(forge.TEMPLATES) * len(forge.TOPICS)
-    assert len(composed) == len(set(composed)) == (len(forge.TEMPLATES + forge.ASKS) *
-                                                   len(forge.TOPICS + forge.MORE_TOPICS) * len(forge.STYLES))
-    trained = set(templates) | set(composed)
+    assert not set(forge.UNSEEN_TOPICS) & set(forge.TOPICS)
+    assert not set(forge.UNSEEN_TEMPLATES) & set(forge.TEMPLATES)
+    trained = set(forge.prompts(10 ** 6, 0))
     assert not trained & set(unseen)
-    for topic in forge.UNSEEN_TOPICS:  # nor inside a composed prompt
-        assert not any(topic in p for p in composed)
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     for f in root.glob("bench/*.jsonl"):
         for line in f.read_text().splitlines():
-            content = json.loads(line)["messages"][-1]["content"]
-            assert content not in unseen and content not in trained
-
-
-def test_composed_prompts_are_drawn_by_the_seed_and_the_first_n_do_not_depend_on_n():
-    """The answers are cached by prompt: a run asking for more answers reuses the ones it has."""
-    a = forge.prompts(500, 0, "composed")
-    assert a == forge.prompts(500, 0, "composed") and a[:100] == forge.prompts(100, 0, "composed")
-    assert a != forge.prompts(500, 1, "composed")
-    assert len({p.split(".")[0] for p in a}) > 100  # many phrasings, not one template's
-    with pytest.raises(ValueError):
-        forge.prompts(5, 0, "nonsense")
+            assert json.loads(line)["messages"][-1]["content"] not in unseen
 
 
 def test_check_measures_a_head_on_the_unseen_set_without_training(forged, tmp_path):
@@ -305,7 +287,6 @@ def test_forge_defaults_are_the_shipped_heads_recipe():
     trained = mtp.read_recipe(heads.DEFAULT_HEAD)["training"]
     defaults = asdict(forge.Config())
     trained.setdefault("unroll", 1)  # recorded since the option exists
-    trained.setdefault("prompts", "templates")  # recorded since the option exists
     assert {k: trained[k] for k in defaults if k in trained} == {k: v for k, v in defaults.items() if k in trained}
     assert set(defaults) - set(trained) == set(forge.EVALUATION_ONLY)
 

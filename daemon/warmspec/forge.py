@@ -113,7 +113,6 @@ class Config:
     init: str = "last-layer"  # or "random"
     precision: str = "float16"
     unroll: int = 1         # depths trained on the head's own state (1: teacher-forced only)
-    prompts: str = "templates"  # the prompts the target answers (``prompts``): or "composed"
     eval_positions: int = 192  # positions per held-back set for acceptance by depth
     unseen: int = 48        # prompts of the unseen set (templates and topics not trained on)
     gen_batch: int = 64
@@ -323,78 +322,11 @@ TOPICS = (
 )
 
 
-# ``--prompts composed``: more ways of asking, more topics, and a closing instruction, drawn as
-# triples. The held-back answers share TEMPLATES and TOPICS with the training answers and were
-# accepted at depth 1 62.6% of the time, the unseen set's 50% (h200-s27, cpu-s30): a head learns
-# how the target answers the phrasings it was shown. None of these is an unseen template or topic.
-ASKS = (
-    "Can you explain {t}?",
-    "I want to learn about {t}. Where should I start?",
-    "Tell me something surprising about {t}.",
-    "Help me write a paragraph about {t} for my blog.",
-    "What is the most important thing to understand about {t}?",
-    "Write a haiku about {t}, then explain it.",
-    "How would you teach {t} to a group of adults?",
-    "Write a news article about {t}.",
-    "Pretend you are a tour guide and talk about {t}.",
-    "What should I ask an expert on {t}?",
-    "Write a short scene for a play involving {t}.",
-    "Provide a quick overview of {t}.",
-    "Why do people find {t} interesting?",
-    "Make a checklist for anyone dealing with {t}.",
-    "Write the introduction of a blog post about {t}.",
-    "Describe {t} as an encyclopedia entry would.",
-    "Write a review of an imaginary book about {t}.",
-    "Tell a bedtime story about {t}.",
-    "Summarize the key ideas behind {t} in five bullet points.",
-    "what do you know about {t}?",
-    "Write a motivational message about {t}.",
-    "Imagine the year 2100. How might {t} be different?",
-    "I am confused about {t}. Can you help?",
-    "Write a riddle about {t} and give the answer.",
-)
-MORE_TOPICS = (
-    "quantum computers", "the Amazon rainforest", "coral reefs", "learning to ski",
-    "a village festival", "the first computers", "renewable energy", "artificial intelligence in medicine",
-    "a robot detective", "the Vikings", "dinosaurs", "the invention of paper", "clouds", "snowflakes",
-    "the ocean floor", "a travelling circus", "open source software", "command-line tools",
-    "the history of the calendar", "elephants", "owls", "a talking cat", "a train robbery in the old west",
-    "a baking competition", "space telescopes", "the Northern Lights", "first aid at home",
-    "learning chess as an adult", "minimalism", "podcasts", "the history of photography", "film cameras",
-    "a lost city in the jungle", "bridges", "skyscrapers", "online shopping", "video games",
-    "a time traveller's mistake", "a quiet neighbour with a secret", "teamwork in sports",
-    "the Industrial Revolution", "the Wright brothers", "submarines", "a family road trip",
-    "mountain goats", "a river ferry", "the postal service", "handwriting", "a robot gardener",
-    "street art", "pottery", "sushi", "tidal energy", "hydroelectric dams", "the history of medicine",
-    "microscopes", "a village blacksmith", "ancient Greece", "space stations", "comets",
-    "test-driven development", "web APIs", "operating systems", "data visualization",
-    "machine learning basics", "linked lists", "binary numbers", "cryptography", "the life of a snail",
-    "a mouse living in a cathedral", "learning to bake cakes", "a power cut in winter",
-    "city parks", "electric bicycles", "a night at the observatory", "the history of soap",
-)
-STYLES = ("", " Keep it short.", " Use simple words.", " Be specific and practical.",
-          " Write for a busy adult.", " Use a warm, friendly tone.", " Answer in about 150 words.",
-          " Include one concrete example.", " Use numbered points.", " Avoid jargon.")
-PROMPT_SETS = ("templates", "composed")
-
-
-def prompts(n: int, seed: int, kind: str = "templates") -> list[str]:
-    """``n`` distinct prompts drawn by ``seed`` (none of them the bench's): ``templates``, TEMPLATES
-    over TOPICS (the shipped head's); ``composed``, TEMPLATES and ASKS over TOPICS and MORE_TOPICS,
-    each with one of STYLES."""
-    if kind == "templates":
-        pairs = [(t, s) for t in TEMPLATES for s in TOPICS]
-        random.Random(seed).shuffle(pairs)
-        return [t.format(t=s) for t, s in pairs[:n]]
-    if kind != "composed":
-        raise ValueError(f"prompt set {kind!r}: expected one of {', '.join(PROMPT_SETS)}")
-    asks, topics = TEMPLATES + ASKS, TOPICS + MORE_TOPICS
-    n = min(n, len(asks) * len(topics) * len(STYLES))
-    rng = random.Random(f"{seed}:composed")
-    out: dict[str, None] = {}
-    while len(out) < n:
-        out.setdefault(rng.choice(asks).format(t=rng.choice(topics)) + rng.choice(STYLES))
-    return list(out)
+def prompts(n: int, seed: int) -> list[str]:
+    """``n`` distinct prompts, templates over topics, drawn by ``seed`` (none of them the bench's)."""
+    pairs = [(t, s) for t in TEMPLATES for s in TOPICS]
+    random.Random(seed).shuffle(pairs)
+    return [t.format(t=s) for t, s in pairs[:n]]
 
 
 # The unseen set: phrasings and topics that appear nowhere in TEMPLATES / TOPICS (nor in the
@@ -495,7 +427,7 @@ def collect(lm: "LoadedModel", cfg: Config, cache: Path, target_sha: str, *,
                      random.Random(f"{cfg.seed}:prose"))
         docs += draw({"code": code_sources(roots)}, cfg.code, "code", tok, cfg.window,
                      random.Random(f"{cfg.seed}:code"), check=lambda s: len(s) >= 400)
-        asks = prompts(cfg.answers, cfg.seed, cfg.prompts)
+        asks = prompts(cfg.answers, cfg.seed)
     if asks:
         docs += answer_docs(lm, asks, cfg, cache / f"answers-{_key(target_sha, cfg.answer_tokens)}.jsonl",
                             "prompt")
@@ -1088,10 +1020,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--unroll", type=int, default=d.unroll,
                    help="depths trained on the head's own state, as it drafts (1: the first only)")
     p.add_argument("--init", choices=("last-layer", "random"), default=d.init)
-    p.add_argument("--prompts", choices=PROMPT_SETS, default=d.prompts,
-                   help="the prompts the model answers for its training answers: templates over topics "
-                        "(the shipped head's), or composed (more phrasings and topics, each with a closing "
-                        "instruction)")
     p.add_argument("--precision", choices=("float16", "bfloat16", "float32"), default=d.precision)
     p.set_defaults(func=cmd_forge)
 
@@ -1104,8 +1032,7 @@ def cmd_forge(args: argparse.Namespace) -> int:
         print("warmspec forge: --out HEAD.safetensors is required (or --check HEAD)", file=sys.stderr)
         return 2
     cfg = replace(Config(), steps=args.steps, seed=args.seed, vocab=args.vocab, lr=args.lr,
-                  batch=args.batch, unroll=args.unroll, init=args.init, precision=args.precision,
-                  prompts=args.prompts, **args.data)
+                  batch=args.batch, unroll=args.unroll, init=args.init, precision=args.precision, **args.data)
     try:
         # float32 on every device: the head starts as a float copy of the target's last layer, and
         # the labels are the same on a GPU (4-bit as stored) and on a CPU (dequantized anyway).

@@ -13,7 +13,7 @@ mkdir -p $WARMSPEC_CACHE/models /tmp/res/head
 head=/tmp/res/head/composed.safetensors
 forge="python3 -m warmspec forge --out $head --cache /tmp/wcache/forge --prompts composed"
 case $1 in
-  forge1) timeout 560 $forge > $OUT/forge1.log 2>&1 || echo "forge1 exit $?" ;;
+  forge1) timeout 540 $forge > $OUT/forge1.log 2>&1 || echo "forge1 exit $?" ;;
   forge2) $forge --resume > $OUT/forge2.log 2>&1
           cp $head ${head%.safetensors}.json $OUT/
           python3 -m warmspec forge --check daemon/warmspec/heads/smollm2-135m-instruct.safetensors \
