@@ -497,8 +497,9 @@ class Gate:
         # outside the pass overlaps the pass, and their observed cost includes it)
         self.overlapped = False
         self.source_rate: dict[str, Rates] = {}  # acceptance of a source, all bins
-        self.unasked: dict[str, int] = {}  # steps a source was not asked since it last was (probes)
-        self.asked: set[str] = set()  # sources asked before they propose (``depth``): not calibrated
+        # steps a source was not asked since it last was (probes); its keys are the sources asked
+        # before they propose (``depth``), which are not calibrated
+        self.unasked: dict[str, int] = {}
         self.skip = 0  # steps left to pass without proposing
         self._shadow: tuple[list[int], float, str] | None = None  # a proposal not verified (``shadow``)
         self.skipped = 0  # steps that passed without proposing (for stats and tests)
@@ -562,7 +563,7 @@ class Gate:
         prose, medians of 3 (``docs/bench/cpu-s39``): with it the shipped head drafted 589 tokens
         (266 accepted) and n-gram + head ran 1.13x plain against n-gram's 1.16x, slowest 0.90x;
         without it 712 (309), 1.24x against 1.21x, slowest 1.04x."""
-        if source in self.asked:
+        if source in self.unasked:
             return 1.0, 1.0
         ratios = []
         for accepted, expected in ((self.accepted, self.expected),
@@ -638,7 +639,6 @@ class Gate:
             return 0
         if not self.enabled:
             return k_max
-        self.asked.add(source)
         best_k, _ = self._best(k_max, self._calibrated(self.source_rates(source), source), context,
                                self.host_source.get(source, 0.0), self.per_token(source))
         if best_k:
@@ -692,6 +692,12 @@ class Gate:
             return
         b = self.bin(confidence, source)
         rates = self.acceptance(confidence, source)
+        if source not in self.unasked:  # the request's calibration (``calibration``)
+            self._tally(source, rates, drafted, accepted)
+        self.rate[b] = rates.update(drafted, accepted)
+        self.source_rate[source] = self.source_rates(source).update(drafted, accepted)
+
+    def _tally(self, source: str, rates: Rates, drafted: int, accepted: int) -> None:
         for tally in (self.expected, self.accepted, self.expected_later, self.accepted_later):
             if source in tally:
                 tally[source] *= CALIBRATION_DECAY
@@ -701,8 +707,6 @@ class Gate:
         if later > 0:
             self.expected_later[source] = self.expected_later.get(source, 0.0) + later * rates.later
             self.accepted_later[source] = self.accepted_later.get(source, 0.0) + accepted - 1
-        self.rate[b] = rates.update(drafted, accepted)
-        self.source_rate[source] = self.source_rates(source).update(drafted, accepted)
 
     def shadow(self, tokens: list[int], confidence: float, source: str) -> None:
         """Keep a greedy proposal that will not be verified (gated off, or another source's
