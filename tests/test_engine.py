@@ -245,3 +245,19 @@ def test_cost_table_times_short_passes_more_and_never_falls_with_width(monkeypat
     durations[1], calls[1] = [0.3], 0  # a CPU's pass: two are enough
     slow = CostTable.measure(forward, [1], [64], repeats=2)
     assert calls[1] == 1 + 2 and round(slow.points[64][1], 6) == 0.3
+
+
+@pytest.mark.parametrize("points", [
+    {64: {1: 0.005, 2: 0.005, 4: 0.0076, 16: 0.008, 65: 0.0135},
+     1024: {1: 0.0058, 2: 0.0062, 4: 0.0091, 16: 0.0091, 65: 0.0126}},
+    {0: {1: 1.0, 2: 1.01, 32: 1.1}},
+])
+def test_cost_table_prices_every_width_at_once_as_one_at_a_time(points):
+    """``costs`` (every draft length in one pass, what the gate reads) gives exactly the floats
+    of ``cost`` per width: inside and beyond the measured widths and contexts, with the online
+    scale and per-width corrections."""
+    table = CostTable(points)
+    table.scale, table.correction = 1.3, {3: 1.1, 9: 0.8, 70: 1.5}
+    for context in (0, 64, 300, 1024, 5000):
+        assert table.costs(80, context) == [0.0, *(table.cost(p, context) for p in range(1, 81))]
+    assert table.costs(3, 10) == [0.0, *(table.cost(p, 10) for p in range(1, 4))]  # a shorter read after
