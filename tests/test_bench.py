@@ -228,6 +228,37 @@ def test_paired_speedup_compares_runs_of_the_same_repeat():
     assert bench.run_spread(one) == 1.0  # one repeat: no spread to tell
 
 
+def test_recheck_runs_again_only_a_case_under_the_floor(default_lm, tmp_path, monkeypatch):
+    """``recheck``: a case whose first repeats put n-gram under the floor runs that many more
+    times, and its figures take every run; a case over the floor is not run again. The host is
+    scripted: "noisy" runs n-gram at 0.8x plain in its first three repeats, then at 1.25x, so it
+    is under the floor at first and over it after the recheck; "fast" runs at 1.25x throughout."""
+    real = bench.decode
+    runs: dict[tuple[int, bool], int] = {}
+
+    def scripted(engine, prompt, max_tokens, sources=()):
+        sample = real(engine, prompt, max_tokens, sources)
+        if max_tokens != bench.WARMUP_TOKENS:
+            n = runs[(max_tokens, engine.speculate)] = runs.get((max_tokens, engine.speculate), 0) + 1
+            slow = max_tokens == 6 and n <= 3
+            sample.stats.decode_s = 1.0 if not engine.speculate else 1.25 if slow else 0.8
+        return sample
+
+    monkeypatch.setattr(bench, "decode", scripted)
+    cases = tmp_path / "cases.jsonl"
+    write_jsonl(cases, [{"id": "noisy", "messages": user(ECHO), "max_tokens": 6},
+                        {"id": "fast", "messages": user(ECHO), "max_tokens": 7}])
+    res = bench.bench(default_lm, [cases], tmp_path / "out", repeat=3, recheck=4, costs=CostTable(CPU_COSTS))
+    assert runs == {(6, False): 7, (6, True): 7, (7, False): 3, (7, True): 3}
+    ngram = {r.id: r for r in res.cases if r.mode == "ngram"}
+    assert ngram["noisy"].decode_runs == [1.25] * 3 + [0.8] * 4 and ngram["fast"].decode_runs == [0.8] * 3
+    s = res.summary.ngram
+    assert (s.below_floor_paired, s.rechecked, s.below_floor_first) == (0, 1, 1)
+    assert res.recheck == 4 and "1 rechecked; 1 paired before" in bench.report(res)
+    without = bench.mode_summary([ngram["noisy"]], {bench._key(r): r for r in res.cases if r.mode == "plain"})
+    assert without.rechecked == 0  # no repeat given: nothing to tell a recheck by
+
+
 def parse(*argv):
     parser = argparse.ArgumentParser(prog="warmspec")
     bench.add_parser(parser.add_subparsers(dest="command"))

@@ -144,6 +144,11 @@ class ModeSummary(Struct, kw_only=True):
     min_paired_case: str = ""
     below_floor: int = 0  # cases under FLOOR (0.97x) against plain, by medians
     below_floor_paired: int = 0  # the same, paired
+    # ``--recheck``: the cases run again because their first repeats put them under the floor,
+    # and how many of them the first repeats alone put under it, paired (the counts above take
+    # every repeat)
+    rechecked: int = 0
+    below_floor_first: int = 0
     divergences: int = 0
     max_divergence_margin: float = 0.0
     # the host's noise: per case, this mode's slowest repeat over its fastest (identical work for
@@ -196,3 +201,5 @@ class BenchResults(Struct, kw_only=True):
     # Each later turn of a conversation ran on a fresh engine that had only the disk tier of the
     # prefix cache (what a daemon restart between turns leaves): "warm" TTFT is after a restart.
     restart_between_turns: bool = False
+    # repeats added to a case that its first ``repeat`` put under the floor (0: none)
+    recheck: int = 0
