@@ -247,6 +247,23 @@ def test_cost_table_times_short_passes_more_and_never_falls_with_width(monkeypat
     assert calls[1] == 1 + 2 and round(slow.points[64][1], 6) == 0.3
 
 
+def test_cost_table_interpolates_width_then_context_with_a_floor():
+    """A cost between measured widths is on the line between them, beyond the widest it grows with
+    the last two points' slope, between the first and last contexts it is on the line between
+    their rows (beyond them too), and never below half the smaller row's."""
+    table = CostTable({64: {1: 0.005, 4: 0.008}, 1024: {1: 0.006, 4: 0.012}})
+    approx = lambda v: pytest.approx(v, rel=1e-12)  # noqa: E731
+    assert table.cost(2, 64) == approx(0.006)
+    assert table.cost(8, 64) == approx(0.012)  # 0.001 a position beyond 4
+    assert table.cost(1, 544) == approx(0.0055)
+    assert table.cost(4, 2944) == approx(0.02)  # the rise of 0.004 per 960 tokens, twice more
+    assert table.cost(1, -5000) == approx(0.0025)  # the floor
+    table.scale, table.correction = 2.0, {4: 1.5}
+    assert table.cost(4, 64) == approx(0.024) and table.base(4, 64) == approx(0.008)
+    one = CostTable({0: {1: 1.0, 3: 2.0}})
+    assert [one.cost(p, c) for p, c in ((1, 0), (2, 5000), (5, 10))] == [1.0, 1.5, 3.0]
+
+
 @pytest.mark.parametrize("points", [
     {64: {1: 0.005, 2: 0.005, 4: 0.0076, 16: 0.008, 65: 0.0135},
      1024: {1: 0.0058, 2: 0.0062, 4: 0.0091, 16: 0.0091, 65: 0.0126}},

@@ -729,11 +729,13 @@ def bench(lm: LoadedModel, inputs: Sequence[Path], out: Path, *, modes: Sequence
             prep = prepare(case, lm.tokenizer, Path(tmp))
             try:
                 samples = run_modes(engines, prep, max_tokens, repeat, restart_between_turns)
-                new = case_rows(file, case, prep, samples, os.getloadavg()[0], lm)
-                if recheck and under_floor(new):  # the host's noise, or a loss? run it again
-                    more = run_modes(engines, prep, max_tokens, recheck, restart_between_turns)
-                    for mode, runs in more.items():
-                        samples[mode] += runs
+                # with a recheck the rows are read twice: a divergence's pass only the last time
+                new = case_rows(file, case, prep, samples, os.getloadavg()[0], None if recheck else lm)
+                if recheck:
+                    if under_floor(new):  # the host's noise, or a loss? run it again
+                        more = run_modes(engines, prep, max_tokens, recheck, restart_between_turns)
+                        for mode, runs in more.items():
+                            samples[mode] += runs
                     new = case_rows(file, case, prep, samples, os.getloadavg()[0], lm)
             except EngineError as e:
                 print(f"warmspec bench: {file} {case.id}: skipped: {e}", file=sys.stderr)

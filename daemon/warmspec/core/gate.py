@@ -166,10 +166,8 @@ class CostTable:
             raise ValueError(f"invalid pipelined plain costs: {plain}")
         self.points = {c: dict(sorted(row.items())) for c, row in sorted(points.items())}  # fixed
         self.plain_points = dict(sorted((plain or {}).items()))
-        # (context, width) -> the row's interpolated seconds. Why: the gate prices every draft
-        # length up to the proposal's on each step, and interpolating the table afresh was most
-        # of its host time (28 of 35 ms over 128 tokens of prose on this CPU).
-        self._interpolated: dict[tuple[int, int], float] = {}
+        contexts = list(self.points)
+        self._ends = (contexts[0], contexts[-1])  # the contexts a cost interpolates between
         self._col: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)]  # per width (``_column``)
         self.scale = 1.0
         self.plain_scale = 1.0
@@ -222,20 +220,14 @@ class CostTable:
         t = (p - lo) / (hi - lo)
         return row[lo] * (1 - t) + row[hi] * t
 
-    def _at(self, c: int, p: int) -> float:
-        v = self._interpolated.get((c, p))
-        if v is None:
-            v = self._interpolated[(c, p)] = self._row(self.points[c], p)
-        return v
+    def _t(self, context: int) -> float:
+        """Where ``context`` lies between the first and the last measured context (0 with one)."""
+        c0, c1 = self._ends
+        return (context - c0) / (c1 - c0) if c1 != c0 else 0.0
 
     def _base(self, p: int, context: int) -> float:
-        contexts = list(self.points)
-        if len(contexts) == 1:
-            return self._at(contexts[0], p)
-        c0, c1 = contexts[0], contexts[-1]
-        b0, b1 = self._at(c0, p), self._at(c1, p)
-        t = (context - c0) / (c1 - c0)
-        return max(b0 + (b1 - b0) * t, 0.5 * min(b0, b1))
+        b0, d, low = self._column(p)[p]
+        return max(b0 + d * self._t(context), low)
 
     def cost(self, p: int, context: int = 0) -> float:
         return self._base(p, context) * self.scale * self.correction.get(p, 1.0)
@@ -246,22 +238,23 @@ class CostTable:
         and a call of ``cost`` per length was most of its time: 110 us for a 64-token proposal on
         this 2-core CPU, a fortieth of a 4-bit step of the default model on an H200, paid on
         every proposal the gate then turns down."""
-        contexts = list(self.points)
-        c0, c1 = contexts[0], contexts[-1]
-        t = (context - c0) / (c1 - c0) if c1 != c0 else 0.0
+        t = self._t(context)
         scale, corr = self.scale, self.correction
         return [0.0, *(max(b0 + d * t, low) * scale * corr.get(p, 1.0)
                        for p, (b0, d, low) in enumerate(self._column(widths)[1:widths + 1], 1))]
 
     def _column(self, widths: int) -> list[tuple[float, float, float]]:
-        """Per width 0 .. at least ``widths``, what ``_base`` reads: the row at the first context,
-        its rise to the last, and the floor ``_base`` keeps (one context: no rise)."""
-        contexts = list(self.points)
-        c0, c1 = contexts[0], contexts[-1]
+        """Per width 0 .. at least ``widths``: the row at the first context, its rise to the last,
+        and the floor a cost keeps there (half the smaller end; with one context, no rise and the
+        row itself). A cost at a context is ``max(b0 + rise * t, floor)``. Kept because the gate
+        prices every draft length on each step, and interpolating the table afresh was most of
+        its host time (28 of 35 ms over 128 tokens of prose on this CPU)."""
         col = self._col
-        for p in range(len(col), widths + 1):
-            b0, b1 = self._at(c0, p), self._at(c1, p)
-            col.append((b0, 0.0, b0) if c0 == c1 else (b0, b1 - b0, 0.5 * min(b0, b1)))
+        if len(col) <= widths:
+            r0, r1 = self.points[self._ends[0]], self.points[self._ends[1]]
+            for p in range(len(col), widths + 1):
+                b0, b1 = self._row(r0, p), self._row(r1, p)
+                col.append((b0, b1 - b0, 0.5 * min(b0, b1)) if r0 is not r1 else (b0, 0.0, b0))
         return col
 
     def base(self, p: int, context: int = 0) -> float:
