@@ -264,6 +264,21 @@ def test_cost_table_interpolates_width_then_context_with_a_floor():
     assert [one.cost(p, c) for p, c in ((1, 0), (2, 5000), (5, 10))] == [1.0, 1.5, 3.0]
 
 
+def test_cost_table_plain_step_on_the_line_between_its_contexts_with_a_floor():
+    """A pipelined plain step is interpolated as a pass is, between its own measured contexts:
+    on the line between them and beyond, never below half the smaller; with one context, that
+    cost everywhere; without any, a one-position pass."""
+    approx = lambda v: pytest.approx(v, rel=1e-12)  # noqa: E731
+    table = CostTable({64: {1: 0.005}, 1024: {1: 0.006}}, {100: 0.004, 500: 0.006})
+    assert table.plain(300) == approx(0.005)
+    assert table.plain(900) == approx(0.008)  # 0.002 per 400 tokens, beyond the last
+    assert table.plain(-10000) == approx(0.002)  # the floor: half the smaller end
+    table.plain_scale = 0.5
+    assert table.plain(100) == approx(0.002)
+    assert CostTable({0: {1: 1.0}}, {7: 0.25}).plain(5000) == 0.25
+    assert CostTable({0: {1: 1.0}, 100: {1: 2.0}}).plain(50) == approx(1.5)
+
+
 @pytest.mark.parametrize("points", [
     {64: {1: 0.005, 2: 0.005, 4: 0.0076, 16: 0.008, 65: 0.0135},
      1024: {1: 0.0058, 2: 0.0062, 4: 0.0091, 16: 0.0091, 65: 0.0126}},

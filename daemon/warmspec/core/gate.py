@@ -143,6 +143,20 @@ MIN_SAMPLE_S = 0.1
 MAX_REPEATS = 12
 
 
+def _line(v0: float, v1: float) -> tuple[float, float, float]:
+    """A cost measured at the first and the last context as ``(v0, rise, floor)``: at a fraction
+    ``t`` of the way (``_fraction``; beyond them too) it is ``max(v0 + rise * t, floor)``, linear
+    in context and never below half the smaller end (a line extrapolated to short contexts must
+    not reach zero: the gate divides by it)."""
+    return v0, v1 - v0, 0.5 * min(v0, v1)
+
+
+def _fraction(context: int, ends: tuple[int, int]) -> float:
+    """Where ``context`` lies between the first and the last measured context (0 with one)."""
+    c0, c1 = ends
+    return (context - c0) / (c1 - c0) if c1 != c0 else 0.0
+
+
 class CostTable:
     """Seconds per forward pass over P positions at a context length, measured then tracked.
 
@@ -169,6 +183,9 @@ class CostTable:
         contexts = list(self.points)
         self._ends = (contexts[0], contexts[-1])  # the contexts a cost interpolates between
         self._col: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)]  # per width (``_column``)
+        ends = (min(self.plain_points), max(self.plain_points)) if self.plain_points else None
+        self._plain_ends = ends
+        self._plain_line = _line(self.plain_points[ends[0]], self.plain_points[ends[1]]) if ends else None
         self.scale = 1.0
         self.plain_scale = 1.0
         self.correction: dict[int, float] = {}
@@ -221,9 +238,7 @@ class CostTable:
         return row[lo] * (1 - t) + row[hi] * t
 
     def _t(self, context: int) -> float:
-        """Where ``context`` lies between the first and the last measured context (0 with one)."""
-        c0, c1 = self._ends
-        return (context - c0) / (c1 - c0) if c1 != c0 else 0.0
+        return _fraction(context, self._ends)
 
     def _base(self, p: int, context: int) -> float:
         b0, d, low = self._column(p)[p]
@@ -244,17 +259,14 @@ class CostTable:
                        for p, (b0, d, low) in enumerate(self._column(widths)[1:widths + 1], 1))]
 
     def _column(self, widths: int) -> list[tuple[float, float, float]]:
-        """Per width 0 .. at least ``widths``: the row at the first context, its rise to the last,
-        and the floor a cost keeps there (half the smaller end; with one context, no rise and the
-        row itself). A cost at a context is ``max(b0 + rise * t, floor)``. Kept because the gate
+        """Per width 0 .. at least ``widths``: its costs at the first and the last context as a
+        ``_line`` (with one context, no rise). Kept because the gate
         prices every draft length on each step, and interpolating the table afresh was most of
         its host time (28 of 35 ms over 128 tokens of prose on this CPU)."""
         col = self._col
         if len(col) <= widths:
             r0, r1 = self.points[self._ends[0]], self.points[self._ends[1]]
-            for p in range(len(col), widths + 1):
-                b0, b1 = self._row(r0, p), self._row(r1, p)
-                col.append((b0, b1 - b0, 0.5 * min(b0, b1)) if r0 is not r1 else (b0, 0.0, b0))
+            col.extend(_line(self._row(r0, p), self._row(r1, p)) for p in range(len(col), widths + 1))
         return col
 
     def base(self, p: int, context: int = 0) -> float:
@@ -264,17 +276,10 @@ class CostTable:
 
     def plain(self, context: int = 0) -> float:
         """Seconds per token of pipelined plain decoding at ``context``."""
-        pts = self.plain_points
-        if not pts:
+        if self._plain_line is None:
             return self.cost(1, context)
-        cs = list(pts)
-        if len(cs) == 1:
-            base = pts[cs[0]]
-        else:
-            c0, c1 = cs[0], cs[-1]
-            t = (context - c0) / (c1 - c0)
-            base = max(pts[c0] + (pts[c1] - pts[c0]) * t, 0.5 * min(pts[c0], pts[c1]))
-        return base * self.plain_scale
+        b0, d, low = self._plain_line
+        return max(b0 + d * _fraction(context, self._plain_ends), low) * self.plain_scale
 
     def observe_plain(self, context: int, seconds: float, alpha: float = 0.05) -> None:
         """Fold in one pipelined plain step (the time between two read-backs)."""
