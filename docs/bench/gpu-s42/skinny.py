@@ -9,13 +9,11 @@ Checks the kernel against ``x @ w.T`` and times, per width, one projection and t
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from warmspec.model import load
+from widths import one_pass, timed  # this folder's: the same pass and timing
 
 SOURCE = """
     int lane = threadIdx.x;
@@ -75,17 +73,6 @@ def as_linear(self, x):
     return _as_linear(self, x)
 
 
-def timed(f, n=30, warm=5) -> float:
-    for _ in range(warm):
-        mx.eval(f())
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        mx.eval(f())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
 def main() -> None:
     lm = load(None, dequantize=True)
     model = lm.model
@@ -97,13 +84,7 @@ def main() -> None:
     for w in (2, 4, 8, 16):
         x = mx.random.normal((1, w, W.shape[1]))
         err = mx.abs(skinny(x, W) - x @ W.T).max().item()
-        ids = mx.array([[2] * w])
-
-        def whole():
-            out = model(ids, cache=cache)
-            for c in cache:
-                c.trim(w)
-            return out
+        whole = one_pass(model, cache, w)
         base_model = timed(whole)
         ref = whole()
         nn.Linear.__call__, nn.Embedding.as_linear = linear, as_linear
@@ -117,14 +98,7 @@ def main() -> None:
         print(f"width {w:2d}: up_proj mm {timed(lambda: x @ W.T):6.3f} skinny {timed(lambda: skinny(x, W)):6.3f} ms"
               f" (max err {err:.1e}) | model {base_model:6.2f} -> {fast_model:6.2f} ms"
               f" (logits max diff {logit_err:.1e}, argmax same {same})", flush=True)
-    one = mx.array([[2]])
-
-    def step():
-        out = model(one, cache=cache)
-        for c in cache:
-            c.trim(1)
-        return out
-    print(f"one position: model {timed(step):6.2f} ms", flush=True)
+    print(f"one position: model {timed(one_pass(model, cache, 1)):6.2f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,18 @@ def timed(f, n=30, warm=5) -> float:
     return statistics.median(ts) * 1e3
 
 
+def one_pass(model, cache, width: int):
+    """A function running the model over ``width`` positions on ``cache``, undone afterwards."""
+    ids = mx.array([[2] * width])
+
+    def run():
+        out = model(ids, cache=cache)
+        for c in cache:
+            c.trim(width)
+        return out
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--weights", default="float32", choices=("float32", "quantized"))
@@ -50,13 +62,7 @@ def main() -> None:
     hd = d // n_heads
     for w in (1, 2, 4, 16):
         x = mx.random.normal((1, w, d)).astype(layer.input_layernorm.weight.dtype)
-        ids = mx.array([[2] * w])
-
-        def whole():
-            out = model(ids, cache=cache)
-            for c in cache:
-                c.trim(w)
-            return out
+        whole = one_pass(model, cache, w)
         projections = lambda: [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(x),  # noqa: E731
                                mlp.gate_proj(x), mlp.up_proj(x)]
         q = mx.random.normal((1, n_heads, w, hd)).astype(x.dtype)
