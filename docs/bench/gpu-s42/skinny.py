@@ -9,6 +9,8 @@ Checks the kernel against ``x @ w.T`` and times, per width, one projection and t
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -35,8 +37,12 @@ SOURCE = """
         if (lane == 0) out[p * N + n] = static_cast<T>(v);
     }
 """
-_kernel = mx.fast.cuda_kernel(name="skinny_mm", input_names=["x", "w"], output_names=["out"],
-                              source=SOURCE)
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(name="skinny_mm", input_names=["x", "w"], output_names=["out"],
+                               source=SOURCE)
 
 
 def skinny(x: mx.array, w: mx.array) -> mx.array:
@@ -45,7 +51,7 @@ def skinny(x: mx.array, w: mx.array) -> mx.array:
     K = x.shape[-1]
     P = x.size // K
     N = w.shape[0]
-    out = _kernel(inputs=[x.reshape(P, K), w], template=[("T", x.dtype), ("P", P), ("K", K), ("N", N)],
+    out = _kernel()(inputs=[x.reshape(P, K), w], template=[("T", x.dtype), ("P", P), ("K", K), ("N", N)],
                   grid=(32, ((N + 7) // 8) * 8, 1), threadgroup=(32, 8, 1),
                   output_shapes=[(P, N)], output_dtypes=[x.dtype])[0]
     return out.reshape(*lead, N)
