@@ -183,9 +183,10 @@ class CostTable:
         contexts = list(self.points)
         self._ends = (contexts[0], contexts[-1])  # the contexts a cost interpolates between
         self._col: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)]  # per width (``_column``)
-        ends = (min(self.plain_points), max(self.plain_points)) if self.plain_points else None
-        self._plain_ends = ends
-        self._plain_line = _line(self.plain_points[ends[0]], self.plain_points[ends[1]]) if ends else None
+        plains = list(self.plain_points)
+        self._plain_ends = (plains[0], plains[-1]) if plains else None
+        self._plain_line = (_line(self.plain_points[plains[0]], self.plain_points[plains[-1]])
+                            if plains else None)
         self.scale = 1.0
         self.plain_scale = 1.0
         self.correction: dict[int, float] = {}
@@ -237,12 +238,9 @@ class CostTable:
         t = (p - lo) / (hi - lo)
         return row[lo] * (1 - t) + row[hi] * t
 
-    def _t(self, context: int) -> float:
-        return _fraction(context, self._ends)
-
     def _base(self, p: int, context: int) -> float:
         b0, d, low = self._column(p)[p]
-        return max(b0 + d * self._t(context), low)
+        return max(b0 + d * _fraction(context, self._ends), low)
 
     def cost(self, p: int, context: int = 0) -> float:
         return self._base(p, context) * self.scale * self.correction.get(p, 1.0)
@@ -253,7 +251,7 @@ class CostTable:
         and a call of ``cost`` per length was most of its time: 110 us for a 64-token proposal on
         this 2-core CPU, a fortieth of a 4-bit step of the default model on an H200, paid on
         every proposal the gate then turns down."""
-        t = self._t(context)
+        t = _fraction(context, self._ends)
         scale, corr = self.scale, self.correction
         return [0.0, *(max(b0 + d * t, low) * scale * corr.get(p, 1.0)
                        for p, (b0, d, low) in enumerate(self._column(widths)[1:widths + 1], 1))]
