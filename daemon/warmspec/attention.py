@@ -23,8 +23,8 @@ and one-position passes with MLX's kernel alone (5.1e-5), so greedy output still
 except at such a near tie.
 
 ``install(model)`` rebinds ``scaled_dot_product_attention`` in the mlx-lm modules the model is
-built from (the mlx-lm model files call it by that name) when MLX runs on the CPU; elsewhere MLX
-has fused kernels and nothing changes.
+built from (the mlx-lm model files call it by that name) when MLX runs on the CPU. On a CUDA GPU
+it rebinds them to ``attention_cuda``'s, whose kernel serves passes of a few positions there.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import base
+
+from warmspec import attention_cuda
 
 # Below this many scores (batch x heads x positions x keys) a pass keeps MLX's kernel. A
 # one-layer softmax over 9 x 2 x 1024 scores ran 1.6x faster than MLX's, over 9 x 64 scores 0.7x.
@@ -117,15 +119,20 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     return attend(queries, keys, values, scale, mask)
 
 
-def install(model) -> bool:
-    """On a CPU, route the attention of every mlx-lm module ``model`` is built from through
-    ``scaled_dot_product_attention`` above. True if any was."""
-    if mx.default_device() != mx.cpu:
-        return False
+def install(model) -> str | None:
+    """Route the attention of every mlx-lm module ``model`` is built from through this module's
+    ``scaled_dot_product_attention`` on a CPU, or ``attention_cuda``'s on a CUDA GPU. Returns
+    the version of the attention installed (part of the cost tables' key), None if none was."""
+    if mx.default_device() == mx.cpu:
+        fn, version = scaled_dot_product_attention, VERSION
+    elif attention_cuda.wanted():
+        fn, version = attention_cuda.scaled_dot_product_attention, attention_cuda.VERSION
+    else:
+        return None
     done = False
     for name in {type(m).__module__ for m in model.modules()}:
         module = sys.modules.get(name)
         if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
-        done = done or getattr(module, "scaled_dot_product_attention", None) is scaled_dot_product_attention
-    return done
+            module.scaled_dot_product_attention = fn
+        done = done or getattr(module, "scaled_dot_product_attention", None) is fn
+    return version if done else None

@@ -36,8 +36,8 @@ class LoadedModel:
     defaults: SamplingParams = field(default_factory=SamplingParams)
     context_length: int | None = None
     quantized: bool = False
-    # Kernels ``load`` put in MLX's place (``attention.VERSION``, ``rows.VERSION``); they change
-    # what passes cost, so the gate's cost tables are keyed by them.
+    # Kernels ``load`` put in MLX's place (``attention.VERSION``, ``attention_cuda.VERSION``,
+    # ``rows.VERSION``); they change what passes cost, so the gate's cost tables are keyed by them.
     kernels: tuple[str, ...] = ()
     # What ``rows.install`` measured at load, a line per layer shape (empty off CUDA).
     kernel_notes: tuple[str, ...] = ()
@@ -59,11 +59,12 @@ def on_cpu() -> bool:
 
 def load(spec: str | None = None, *, dequantize: bool | None = None) -> LoadedModel:
     """Load ``spec`` (None: the embedded default). ``dequantize`` defaults to True on CPU. On a
-    CPU, wide passes' attention is routed around MLX's slow ``exp`` (``attention.install``); on
-    a CUDA GPU, their float linear layers go through a kernel for a few rows where it measures
-    faster (``rows.install``)."""
+    CPU, wide passes' attention is routed around MLX's slow ``exp``, on a CUDA GPU passes of a
+    few positions get a kernel of their own (``attention.install``); there too, with
+    ``WARMSPEC_ROWS=1``, their float linear layers go through a kernel for a few rows
+    (``rows.install``)."""
     lm = _load(spec, dequantize=on_cpu() if dequantize is None else dequantize)
-    kernels = [attention.VERSION] if attention.install(lm.model) else []
+    kernels = [v for v in (attention.install(lm.model),) if v]
     notes = rows.install(lm.model)
     lm.kernels = tuple(kernels + ([rows.VERSION] if notes else []))
     lm.kernel_notes = tuple(notes)
