@@ -64,7 +64,7 @@ SOURCE = """
     const int64_t ks = k_strides[2], vs = v_strides[2], ke = k_strides[3], ve = v_strides[3];
     if (tid < D) qs[tid] = static_cast<float>(qp[tid * q_strides[3]]) * scale[0];
     __syncthreads();
-    float m = -INFINITY;
+    float m = -inf;  // MLX's header defines inf
     for (int j = tid; j < n; j += THREADS) {
         const T* kr = kp + j * ks;
         float d = 0.f;
@@ -117,13 +117,20 @@ def _kernel():
                                output_names=["out"], source=SOURCE, ensure_row_contiguous=False)
 
 
+@functools.lru_cache(maxsize=8)
+def _scale(scale: float) -> mx.array:
+    """The scale as the kernel's input, made once: a new array per call is a host-to-device copy
+    in each of a pass's 30 layers."""
+    return mx.array([scale], dtype=mx.float32)
+
+
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, causal: bool) -> mx.array:
     """softmax(q k^T * scale [+ causal mask]) v for queries (B, H, L, D) and keys and values
     (B, KV, S, D), of any strides; the causal mask puts the L queries at the
     last L of the S positions."""
     B, H, L, D = queries.shape
     return _kernel()(
-        inputs=[queries, keys, values, mx.array([scale], dtype=mx.float32)],
+        inputs=[queries, keys, values, _scale(scale)],
         template=[("T", queries.dtype), ("D", D), ("CAUSAL", causal), ("THREADS", THREADS),
                   ("MAX_KEYS", MAX_KEYS)],
         grid=(B * H * L * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
