@@ -22,8 +22,10 @@ one-position steps included, keeps MLX's kernels. Plain decoding is therefore un
 wide pass's logits differ from one-position passes' by float rounding, as they did with MLX's
 tiled kernel (greedy output differs only at near ties; ``warmspec bench`` reports each).
 
-``install(model)`` rebinds ``scaled_dot_product_attention`` in the mlx-lm modules the model is
-built from, on a CUDA device, unless ``WARMSPEC_FEW_QUERIES=0``.
+``attention.install(model)`` rebinds ``scaled_dot_product_attention`` in the mlx-lm modules the
+model is built from to this one on a CUDA device with ``WARMSPEC_FEW_QUERIES=1``. Off by default
+until it is measured on a device (stop 44 wrote it while none could be had; ``docs/bench/gpu-s44``
+has the probe and the calls that decide it).
 """
 
 from __future__ import annotations
@@ -161,4 +163,4 @@ def on_cuda() -> bool:
 
 
 def wanted() -> bool:
-    return on_cuda() and os.environ.get("WARMSPEC_FEW_QUERIES", "1") != "0"
+    return on_cuda() and os.environ.get("WARMSPEC_FEW_QUERIES", "0") == "1"

