@@ -106,12 +106,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--weights", default="float32", choices=("float32", "quantized"))
     ap.add_argument("--skip-kernel-checks", action="store_true")
+    ap.add_argument("--no-model", action="store_true", help="only parts 1 and 2 (no model needed)")
     a = ap.parse_args()
     print(f"device {mx.default_device()} mlx {mx.__version__}", flush=True)
     if not a.skip_kernel_checks:
         agreement()
         one_call()
-    whole_model(a.weights)
+    if not a.no_model:
+        whole_model(a.weights)
 
 
 if __name__ == "__main__":
