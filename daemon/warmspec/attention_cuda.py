@@ -153,7 +153,7 @@ def usable(queries: mx.array, keys: mx.array, values: mx.array, cache, mask, sin
     B, H, L, D = queries.shape
     return (MIN_POSITIONS <= L <= MAX_POSITIONS and D == HEAD_DIM and sinks is None
             and not hasattr(cache, "bits") and (mask is None or isinstance(mask, str) and mask == "causal")
-            and L * keys.shape[2] <= MAX_SCORES and keys.shape[2] >= L and H % keys.shape[1] == 0
+            and L * keys.shape[2] <= MAX_SCORES and L <= keys.shape[2] <= MAX_KEYS and H % keys.shape[1] == 0
             and keys.dtype == queries.dtype == values.dtype
             and queries.dtype in (mx.float32, mx.float16, mx.bfloat16))
 
