@@ -17,7 +17,7 @@ reads the cache's views in place (their strides are passed), so nothing is copie
 
 Where: ``scaled_dot_product_attention`` uses it for passes of ``MIN_POSITIONS`` to
 ``MAX_POSITIONS`` queries with the causal mask or none, head size ``HEAD_DIM``, no attention
-sinks, a float cache (not quantized) of at most ``MAX_KEYS`` keys; everything else, plain
+sinks, a float cache (not quantized), at most ``MAX_SCORES`` queries x keys; everything else, plain
 one-position steps included, keeps MLX's kernels. Plain decoding is therefore unchanged, and a
 wide pass's logits differ from one-position passes' by float rounding, as they did with MLX's
 tiled kernel (greedy output differs only at near ties; ``warmspec bench`` reports each).
@@ -153,7 +153,8 @@ def usable(queries: mx.array, keys: mx.array, values: mx.array, cache, mask, sin
     B, H, L, D = queries.shape
     return (MIN_POSITIONS <= L <= MAX_POSITIONS and D == HEAD_DIM and sinks is None
             and not hasattr(cache, "bits") and (mask is None or isinstance(mask, str) and mask == "causal")
-            and L * keys.shape[2] <= MAX_SCORES and L <= keys.shape[2] <= MAX_KEYS and H % keys.shape[1] == 0
+            and L * keys.shape[2] <= MAX_SCORES and L <= keys.shape[2] <= MAX_KEYS
+            and H % keys.shape[1] == 0
             and keys.dtype == queries.dtype == values.dtype
             and queries.dtype in (mx.float32, mx.float16, mx.bfloat16))
 
