@@ -116,11 +116,14 @@ def test_the_default_model_loads_with_it_on_a_cpu(default_lm):
 def test_the_cuda_kernel_serves_only_what_it_was_written_for():
     """``attention_cuda.usable``: passes of 4-64 queries with at most 8192 scores a head (where it
     measured faster than MLX's), head size 64, causal or no mask, a float cache; plain steps,
-    prefill chunks, long contexts, masks given as arrays and quantized caches keep MLX's.
+    prefill chunks, long contexts, masks given as arrays, quantized caches and passes without a
+    cache (training) keep MLX's.
     (The kernel itself runs only on CUDA: ``docs/bench/gpu-s44/fewq.py`` checks it there.)"""
     from warmspec import attention_cuda as ac
 
-    def ok(L=8, S=300, D=64, mask="causal", cache=None, sinks=None, dtype=mx.float32, kv=3):
+    from mlx_lm.models.cache import KVCache
+
+    def ok(L=8, S=300, D=64, mask="causal", cache=KVCache(), sinks=None, dtype=mx.float32, kv=3):
         q = mx.zeros((1, 9, L, D), dtype)
         k = mx.zeros((1, kv, S, D), dtype)
         return ac.usable(q, k, k, cache, mask, sinks)
@@ -131,4 +134,5 @@ def test_the_cuda_kernel_serves_only_what_it_was_written_for():
     assert not ok(D=128) and not ok(kv=2)
     assert not ok(mask=mx.ones((8, 300), mx.bool_)) and not ok(sinks=mx.zeros((9,)))
     assert not ok(cache=type("Q", (), {"bits": 4})())
+    assert not ok(cache=None)  # training (``warmspec forge``): MLX's attention has a gradient
     assert not ac.wanted()  # this CPU: MLX's kernels, and the CPU path of ``attention``

@@ -17,10 +17,12 @@ reads the cache's views in place (their strides are passed), so nothing is copie
 
 Where: ``scaled_dot_product_attention`` uses it for passes of ``MIN_POSITIONS`` to
 ``MAX_POSITIONS`` queries with the causal mask or none, head size ``HEAD_DIM``, no attention
-sinks, a float cache (not quantized), at most ``MAX_SCORES`` queries x keys; everything else, plain
-one-position steps included, keeps MLX's kernels. Plain decoding is therefore unchanged, and a
-wide pass's logits differ from one-position passes' by float rounding, as they did with MLX's
-tiled kernel (greedy output differs only at near ties; ``warmspec bench`` reports each).
+sinks, a float cache (not quantized), at most ``MAX_SCORES`` queries x keys; everything else,
+plain one-position steps included, keeps MLX's kernels, so plain decoding is unchanged. So do
+passes without a cache: those are training's (``warmspec forge`` trains a head through its
+attention), and the kernel has no gradient. A wide pass's logits differ from one-position
+passes' by float rounding, as they did with MLX's tiled kernel (greedy output differs only at
+near ties; ``warmspec bench`` reports each).
 
 Measured on the lent H100 (``docs/bench/gpu-s44``): one attention call 0.013-0.023 ms for 4-16
 queries at 256 keys and 0.025 ms for 4 at 1024 (MLX's: 0.060-0.069); a pass of the default model
@@ -152,7 +154,7 @@ def usable(queries: mx.array, keys: mx.array, values: mx.array, cache, mask, sin
     """Whether ``attend`` serves this call (see the module's docstring)."""
     B, H, L, D = queries.shape
     return (MIN_POSITIONS <= L <= MAX_POSITIONS and D == HEAD_DIM and sinks is None
-            and not hasattr(cache, "bits") and (mask is None or isinstance(mask, str) and mask == "causal")
+            and cache is not None and not hasattr(cache, "bits") and (mask is None or isinstance(mask, str) and mask == "causal")
             and L * keys.shape[2] <= MAX_SCORES and L <= keys.shape[2] <= MAX_KEYS
             and H % keys.shape[1] == 0
             and keys.dtype == queries.dtype == values.dtype
