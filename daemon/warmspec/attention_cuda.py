@@ -43,6 +43,8 @@ import os
 import mlx.core as mx
 from mlx_lm.models import base
 
+from warmspec.rows import on_cuda
+
 # Part of the key of the cost tables kept on disk (``core.engine.default_cost_cache``).
 VERSION = "fewq-1"
 # MLX's own vector kernel serves 1 to 3 queries.
@@ -168,10 +170,6 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
         return attend(queries, keys, values, scale, mask is not None)
     return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
                                              mask=mask, sinks=sinks)
-
-
-def on_cuda() -> bool:
-    return mx.default_device() != mx.cpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 def wanted() -> bool:

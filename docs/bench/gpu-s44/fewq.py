@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models import base
@@ -23,7 +24,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from warmspec import attention_cuda
 from warmspec.model import load
-from widths import one_pass, timed  # this folder's: the same pass and timing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpu-s42"))
+from widths import one_pass, timed  # noqa: E402  (gpu-s42's: the same pass and timing)
 
 
 def agreement() -> None:
