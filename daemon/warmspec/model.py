@@ -64,7 +64,8 @@ def load(spec: str | None = None, *, dequantize: bool | None = None) -> LoadedMo
     ``WARMSPEC_ROWS=1``, their float linear layers go through a kernel for a few rows
     (``rows.install``)."""
     lm = _load(spec, dequantize=on_cpu() if dequantize is None else dequantize)
-    kernels = [v for v in (attention.install(lm.model),) if v]
+    version = attention.install(lm.model)
+    kernels = [version] if version else []
     notes = rows.install(lm.model)
     lm.kernels = tuple(kernels + ([rows.VERSION] if notes else []))
     lm.kernel_notes = tuple(notes)
