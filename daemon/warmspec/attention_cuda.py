@@ -141,8 +141,8 @@ def _scale(scale: float) -> mx.array:
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, causal: bool) -> mx.array:
     """softmax(q k^T * scale [+ causal mask]) v for queries (B, H, L, D) and keys and values
-    (B, KV, S, D), of any strides; the causal mask puts the L queries at the
-    last L of the S positions."""
+    (B, KV, S, D), of any strides; the causal mask puts the L queries at the last L of the S
+    positions."""
     B, H, L, D = queries.shape
     return _kernel()(
         inputs=[queries, keys, values, _scale(scale)],
@@ -155,8 +155,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ca
 def usable(queries: mx.array, keys: mx.array, values: mx.array, cache, mask, sinks) -> bool:
     """Whether ``attend`` serves this call (see the module's docstring)."""
     B, H, L, D = queries.shape
-    return (MIN_POSITIONS <= L <= MAX_POSITIONS and D == HEAD_DIM and sinks is None
-            and cache is not None and not hasattr(cache, "bits") and (mask is None or isinstance(mask, str) and mask == "causal")
+    causal_or_none = mask is None or isinstance(mask, str) and mask == "causal"
+    return (MIN_POSITIONS <= L <= MAX_POSITIONS and D == HEAD_DIM and sinks is None and causal_or_none
+            and cache is not None and not hasattr(cache, "bits")
             and L * keys.shape[2] <= MAX_SCORES and L <= keys.shape[2] <= MAX_KEYS
             and H % keys.shape[1] == 0
             and keys.dtype == queries.dtype == values.dtype
