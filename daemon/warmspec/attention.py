@@ -127,6 +127,7 @@ def install(model) -> str | None:
         fn, version = scaled_dot_product_attention, VERSION
     elif attention_cuda.wanted():
         fn, version = attention_cuda.scaled_dot_product_attention, attention_cuda.VERSION
+        attention_cuda.warm(model)
     else:
         return None
     done = False

@@ -173,5 +173,17 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
                                              mask=mask, sinks=sinks)
 
 
+def warm(model) -> None:
+    """Compile the kernel now for each float dtype among ``model``'s parameters, not in a
+    request's first wide pass: MLX compiles a custom kernel on first use (NVRTC), and that stalled
+    a first pass for seconds (``rows.py``'s buckets, ``docs/bench/h100-s33``)."""
+    from mlx.utils import tree_flatten
+
+    floats = {v.dtype for _, v in tree_flatten(model.parameters())} & {mx.float32, mx.float16, mx.bfloat16}
+    for dtype in floats:
+        q = mx.zeros((1, 1, MIN_POSITIONS, HEAD_DIM), dtype)
+        mx.eval(attend(q, q, q, 1.0, True))
+
+
 def wanted() -> bool:
     return on_cuda() and os.environ.get("WARMSPEC_FEW_QUERIES", "1") != "0"
