@@ -24,9 +24,13 @@ apt_install() {
 }
 
 # MLX's Linux CPU wheel bundles the reference BLAS (~30x slower on matmul); warmspec preloads the
-# system OpenBLAS when it finds one.
+# system OpenBLAS when it finds one (blas.py).
 if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
   apt_install libopenblas0-pthread "without it warmspec runs on MLX's slow bundled BLAS"
+fi
+# BLIS (OpenMP build): WARMSPEC_BLAS=blis runs on it, and `warmspec bench --probe blas` compares it.
+if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*/blis-openmp/libblis.so.4 >/dev/null 2>&1; then
+  apt_install libblis4-openmp "WARMSPEC_BLAS=blis needs it"
 fi
 # The editor-client tests drive a real headless Neovim.
 if [ -n "$extras" ] && ! command -v nvim >/dev/null 2>&1; then

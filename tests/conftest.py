@@ -1,4 +1,4 @@
-"""Shared fixtures. The run itself is re-executed on OpenBLAS by ``warmspec._pytest_openblas``
+"""Shared fixtures. The run itself is re-executed on an optimized BLAS by ``warmspec._pytest_blas``
 (enabled in pyproject's addopts), so model tests run at the speed users get."""
 
 from __future__ import annotations

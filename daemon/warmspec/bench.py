@@ -1022,7 +1022,8 @@ def add_parser(subparsers) -> None:
                    help="run each later turn of a conversation on a fresh engine that has only the "
                         "prefix states saved to disk: time to first token after a daemon restart")
     p.add_argument("--probe", action="append", default=[], choices=probes.PROBES,
-                   help="also measure: blas (decode on OpenBLAS vs MLX's bundled BLAS), rollback "
+                   help="also measure: blas (decode on this process's BLAS vs each other one installed: "
+                        "OpenBLAS, BLIS, MLX's bundled one), rollback "
                         "(hybrid per-position capture vs replay), typing (ghost text over a scripted "
                         "typing session, feedback adaptation off and on: DIR/typing.md); writes DIR/probes.md")
     p.set_defaults(func=run)

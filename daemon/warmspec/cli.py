@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    blas.reexec_with_openblas(["-m", "warmspec", *argv])
+    blas.reexec_with_blas(["-m", "warmspec", *argv])
     args = build_parser().parse_args(argv)
     # The daemon logs each request at INFO (to its log file); everything else, an editor's stderr
     # included, hears only warnings unless asked with -v.

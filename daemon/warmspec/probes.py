@@ -1,7 +1,9 @@
 """Bench probes: the machine and mechanisms the prompt benchmark does not show on its own.
 
-``blas``: matmul and plain decode speed in this process and in a child on MLX's bundled BLAS,
-side by side -- the re-exec on OpenBLAS (``blas.py``) is a claim to verify, not to assume.
+``blas``: matmul and plain decode speed in this process and in a child on each other BLAS the
+machine has (MLX's bundled one, OpenBLAS, BLIS), side by side -- the re-exec on an optimized BLAS
+(``blas.py``) is a claim to verify, not to assume, and which library is fastest depends on the
+machine.
 
 ``rollback``: on a hybrid model (Qwen3.5-style GatedDeltaNet layers, random weights, ~130M
 parameters), speculative decoding with per-position state capture against snapshot + replay,
@@ -9,7 +11,7 @@ under drafts rejected at controlled rates. Each run decodes the same tokens (che
 decode-time ratio is the price of one rollback strategy over the other.
 
 Like ``bench.py`` this module imports MLX only inside functions (the CLI imports it before it
-re-executes itself on OpenBLAS).
+re-executes itself on an optimized BLAS).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class BlasSide(msgspec.Struct):
 
 
 class BlasProbe(msgspec.Struct):
-    optimized: BlasSide
+    optimized: BlasSide  # this process's
     bundled: BlasSide | None  # None where no child could run (macOS: Accelerate either way)
+    others: list[BlasSide] = []  # the other optimized libraries installed (blas.LIBRARIES)
 
 
 class RollbackRun(msgspec.Struct):
@@ -120,15 +123,22 @@ def blas_side(lm) -> BlasSide:
     return BlasSide(blas=blas.describe(), matmul_1024_s=_matmul_s(), decode_tok_s=_decode_tok_s(lm))
 
 
+def _blas_child(name: str, model: str | None) -> BlasSide:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "WARMSPEC_BLAS_CHECKED")}
+    env["WARMSPEC_BLAS"] = name
+    cmd = [sys.executable, "-m", "warmspec.probes", "blas-child"] + ([model] if model else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return msgspec.json.decode(out.strip().splitlines()[-1], type=BlasSide)
+
+
 def probe_blas(lm, model: str | None) -> BlasProbe:
     here = blas_side(lm)
     if not sys.platform.startswith("linux"):
         return BlasProbe(optimized=here, bundled=None)
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "WARMSPEC_BLAS_CHECKED")}
-    env["WARMSPEC_BLAS"] = "bundled"
-    cmd = [sys.executable, "-m", "warmspec.probes", "blas-child"] + ([model] if model else [])
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return BlasProbe(optimized=here, bundled=msgspec.json.decode(out.strip().splitlines()[-1], type=BlasSide))
+    mine = blas.preloaded()
+    others = [_blas_child(name, model) for name in blas.LIBRARIES
+              if blas.find(name) and blas.find(name) != mine]
+    return BlasProbe(optimized=here, bundled=_blas_child("bundled", model), others=others)
 
 
 def hybrid_model():
@@ -192,7 +202,7 @@ def report(blas_probe: BlasProbe | None, rollback: list[RollbackRun] | None) -> 
     lines = []
     if blas_probe is not None:
         lines += ["## BLAS", "", "| BLAS | 1024² matmul | plain decode |", "|---|---|---|"]
-        for side in (blas_probe.optimized, blas_probe.bundled):
+        for side in (blas_probe.optimized, *blas_probe.others, blas_probe.bundled):
             if side is not None:
                 lines.append(f"| {side.blas} | {side.matmul_1024_s * 1000:.1f} ms | {side.decode_tok_s:.1f} tok/s |")
         lines.append("")
@@ -232,4 +242,5 @@ def _child() -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["blas-child"]:
+    blas.reexec_with_blas(["-m", "warmspec.probes", *sys.argv[1:]])
     _child()

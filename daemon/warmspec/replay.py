@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from . import blas
 
-    blas.reexec_with_openblas(["-m", "warmspec.replay", *(sys.argv[1:] if argv is None else argv)])
+    blas.reexec_with_blas(["-m", "warmspec.replay", *(sys.argv[1:] if argv is None else argv)])
     from .model import load
 
     a, b = (int(x) for x in args.lines.split("-"))
