@@ -1,22 +1,13 @@
 """``x @ W.T`` for the default model's shapes (out x in) and 1-16 rows, on this process's BLAS;
-milliseconds, medians of 20. Run as ``passes.py`` says."""
+milliseconds, medians of 20 (gpu-s42's timing). Run as ``passes.py`` says."""
 
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 
-
-def timed(f, n=20):
-    for _ in range(3):
-        mx.eval(f())
-    ts = []
-    for _ in range(n):
-        s = time.perf_counter()
-        mx.eval(f())
-        ts.append(time.perf_counter() - s)
-    return statistics.median(ts) * 1e3
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpu-s42"))
+from widths import timed  # noqa: E402
 
 for (o, i) in ((1536, 576), (576, 1536), (576, 576), (49152, 576)):
     W = mx.random.normal((o, i))
@@ -25,5 +16,5 @@ for (o, i) in ((1536, 576), (576, 1536), (576, 576), (49152, 576)):
     for m in (1, 2, 4, 8, 16):
         x = mx.random.normal((m, i))
         mx.eval(x)
-        line += f" M{m} {timed(lambda: x @ W.T):.3f}"
+        line += f" M{m} {timed(lambda: x @ W.T, n=20, warm=3):.3f}"
     print(line, flush=True)
