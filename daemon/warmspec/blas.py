@@ -75,10 +75,6 @@ def find(name: str = "openblas") -> str | None:
     return found if found and Path(found).is_absolute() else None
 
 
-def find_openblas() -> str | None:
-    return find("openblas")
-
-
 def _kind(path: str) -> str | None:
     base = Path(path).name
     return "openblas" if "openblas" in base else "blis" if "blis" in base else None
