@@ -136,8 +136,8 @@ def probe_blas(lm, model: str | None) -> BlasProbe:
     if not sys.platform.startswith("linux"):
         return BlasProbe(optimized=here, bundled=None)
     mine = blas.preloaded()
-    others = [_blas_child(name, model) for name in blas.LIBRARIES
-              if blas.find(name) and blas.find(name) != mine]
+    found = {name: blas.find(name) for name in blas.LIBRARIES}
+    others = [_blas_child(name, model) for name, path in found.items() if path and path != mine]
     return BlasProbe(optimized=here, bundled=_blas_child("bundled", model), others=others)
 
 
