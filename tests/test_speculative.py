@@ -10,7 +10,7 @@ from warmspec.core.cache import offset
 from warmspec.core.engine import Engine, Finished, Run
 from warmspec.core.drafter import Proposal
 from warmspec.probes import ScriptedDrafter
-from warmspec.core.gate import CostTable
+from warmspec.core.gate import CostTable, Gate, Rates
 from warmspec.core import GenerationStats, SamplingParams
 
 import tiny
@@ -538,6 +538,28 @@ def test_time_outside_the_pass_is_priced_where_a_verify_step_pays_it():
     assert gate.choose(8, 0.5, source="x") > 0
 
 
+def test_drafts_that_guess_a_token_in_flight_are_priced_without_the_guess():
+    """Queued on a plain pass in flight, k drafts cost a pass of k positions, and the first one
+    (the guess of the token in flight) yields no token of its own: a proposal whose first token
+    is mostly right and the rest mostly wrong pays as an ordinary verify pass but not there,
+    and one whose later tokens are right pays in both."""
+    points = {64: {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.014, 9: 0.0145}}
+    gate = Gate(CostTable(points, {64: 0.010}), max_draft=8)
+    gate.pipelined = gate.overlapped = True
+    b = Gate.bin(0.5, "x")
+    gate.rate[b] = Rates(0.9, 0.1)
+    k, v = gate.value(8, 0.5, 64, source="x")
+    assert k > 0 and v > 1.9 / 0.0115  # about 1.9 tokens for 0.011-0.0115 s
+    gate.guessing = True
+    k, v = gate.value(8, 0.5, 64, source="x")
+    assert k == 0 and v == pytest.approx(1 / 0.010)  # 1.09 tokens for 0.011 s at best
+    gate.rate[b] = Rates(0.9, 0.9)
+    k, v = gate.value(8, 0.5, 64, source="x")
+    assert k == 8 and v == pytest.approx((Rates(0.9, 0.9).expected(8) - 0.9) / 0.014)
+    gate.rate[b] = Rates(1.0, 1.0)  # even a certain one-token draft is a plain pass, synchronous
+    assert gate.value(1, 0.5, 64, source="x")[0] == 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "gemma3_text"])
 def test_the_next_pass_is_queued_before_the_consumer_gets_a_step(arch):
     """Where plain steps run ahead, every step after the first reaches the consumer with the
@@ -554,6 +576,9 @@ def test_the_next_pass_is_queued_before_the_consumer_gets_a_step(arch):
         queued = []
         verify = engine.target.verify
         engine.target.verify = lambda *a: queued.append(1) or verify(*a)
+        guessing = []  # per proposal: whether its pass goes on a plain pass in flight
+        choose = engine.gate.choose
+        engine.gate.choose = lambda *a, **k: guessing.append(engine.gate.guessing) or choose(*a, **k)
         stats = GenerationStats()
         run = Run(SamplingParams(), 60, stats)
         out, in_flight = [], []
@@ -565,8 +590,10 @@ def test_the_next_pass_is_queued_before_the_consumer_gets_a_step(arch):
         assert stats.draft_passes > 5 and stats.passes - stats.draft_passes > 5
         if ahead:
             assert in_flight[0] == 0 and all(n >= 1 for n in in_flight[1:-1]), in_flight
+            assert any(guessing) and not all(guessing)  # after a verify step nothing is in flight
         else:
             assert all(n == 0 for n in in_flight), in_flight
+            assert guessing and not any(guessing)
         again, _ = decode(lm, prompt, 40, engine=engine)  # what was queued past the end is undone
         assert again == plain[:40]
 

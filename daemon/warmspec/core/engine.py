@@ -651,7 +651,7 @@ class Engine:
         verify, a plain pass ahead (or, where plain steps run synchronously now, nothing queued
         and True: the next step is a synchronous plain one, already decided)."""
         overlapped = self._overlap(steps)
-        draft = self._drafts(drafter, run, overlapped)
+        draft = self._drafts(drafter, run, overlapped, guessing=isinstance(queued, _Ahead))
         if isinstance(queued, _Ahead):
             return (self._start(queued, draft, run, overlapped) if draft.width else queued), False
         if draft.width or not run.params.greedy:
@@ -744,9 +744,11 @@ class Engine:
         self.live.tokens.append(ahead.fed)
         return token
 
-    def _drafts(self, drafter: Drafter | None, run: Run, overlapped: bool) -> Draft:
+    def _drafts(self, drafter: Drafter | None, run: Run, overlapped: bool, *,
+                guessing: bool = False) -> Draft:
         """What to verify after the last emitted token, by the gate (no tokens: a plain step).
-        ``overlapped``: the pass will be queued before the consumer handles the last step. The
+        ``overlapped``: the pass will be queued before the consumer handles the last step;
+        ``guessing``: on a plain pass in flight, whose token the first draft guesses. The
         drafter's and gate's host time is measured for the gate: on a device where a step takes
         milliseconds it is part of what drafting costs."""
         if drafter is None or run.budget <= 1:
@@ -754,6 +756,7 @@ class Engine:
         gate = self.gate
         gate.pipelined = run.params.greedy and self.plain_steps.best  # priced as plain steps run
         gate.overlapped = overlapped
+        gate.guessing = guessing
         if not gate.should_propose():
             return NO_DRAFT
         t = time.perf_counter()
