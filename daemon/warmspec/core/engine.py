@@ -533,7 +533,8 @@ class Engine:
         and proposes. On an H200 a step of the default model is a few milliseconds, most of it
         launch and host work: run synchronously, the gated-off steps made prose up to 26% slower
         than plain decoding there. A proposal is verified in a pass queued on the still-unread
-        token (its first draft guesses that token).
+        token (its first draft guesses that token; the gate prices such a pass without the guess,
+        ``Gate._best``).
 
         Verify passes are pipelined too, where plain steps are: once a pass is read back, its
         tokens are told to the drafter, the next step is proposed and its pass queued, and only
