@@ -5,7 +5,7 @@ read-back), and each timed verify pass against the cost table. Run in place of `
         PYTHONPATH=daemon:protocol python trace.py bench l13.jsonl --out o --modes ngram ...
 
 (the BLAS set by hand: the re-exec would drop the patches). Writes /tmp/tr/steps.json."""
-import sys, json
+import json, os, sys
 from warmspec.core import gate as G
 rec = []
 last = {}
@@ -36,6 +36,8 @@ def cobs(self, p, context, seconds, alpha=0.05, beta=0.2):
     return orig_obs(self, p, context, seconds, alpha, beta)
 G.CostTable.observe = cobs
 import atexit
-atexit.register(lambda: json.dump(rec, open(sys.argv.pop(1) if False else "/tmp/tr/steps.json", "w")))
+OUT = "/tmp/tr/steps.json"
+os.makedirs(os.path.dirname(OUT), exist_ok=True)
+atexit.register(lambda: json.dump(rec, open(OUT, "w")))
 from warmspec.cli import main
 sys.exit(main(sys.argv[1:]))
