@@ -911,7 +911,8 @@ def plot(res: BenchResults, path: Path) -> None:
         draw(ax, res, plt.get_cmap("tab10"))
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xlabel(COPY_AXIS, fontsize=9)
-        ax.legend(loc="best", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a panel of modes with no plain run has no points
+            ax.legend(loc="best", fontsize=8)
         ax.grid(alpha=0.3)
     if not panels:
         axes[0][0].text(0.5, 0.5, "nothing to plot: no ngram runs, no replays", ha="center")
