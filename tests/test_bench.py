@@ -228,6 +228,40 @@ def test_paired_speedup_compares_runs_of_the_same_repeat():
     assert bench.run_spread(one) == 1.0  # one repeat: no spread to tell
 
 
+def test_the_summary_tells_a_loss_the_ledger_saw_from_the_hosts_noise():
+    """Of the cases under the floor, the summary counts those whose ledger (drafting steps against
+    the same run's plain steps) booked drafting as losing over 3% of their decode time; and it
+    gives the loop's own plain step against plain decoding's time per token."""
+    import io
+
+    from warmspec_protocol.bench import CaseResult, Machine
+
+    def row(id, mode, runs, booked=0.0, step=0.0):
+        return CaseResult(file="f", id=id, mode=mode, tokens=100, decode_s=sorted(runs)[len(runs) // 2],
+                          prefill_s=0.0, passes=100, drafted=10, accepted=0, identical_to_plain=True,
+                          decode_runs=runs, booked_s=booked, ledger_plain_s=step)
+
+    plain = {id: row(id, "plain", [1.0, 1.0, 1.0]) for id in ("noise", "loss", "fast", "slight")}
+    mode = [row("noise", "ngram", [1.2, 1.2, 1.2], booked=0.05, step=0.0100),  # under; ledger gained
+            row("loss", "ngram", [1.2, 1.2, 1.2], booked=-0.10, step=0.0102),  # under; ledger lost 8%
+            row("fast", "ngram", [0.8, 0.8, 0.8], booked=-0.10, step=0.0098),  # over the floor
+            row("slight", "ngram", [1.1, 1.1, 1.1], booked=-0.03)]  # under; lost 2.7%: within the floor
+    s = bench.mode_summary(mode, {bench._key(r): r for r in plain.values()})
+    assert (s.below_floor, s.below_floor_paired, s.below_floor_ledger) == (3, 3, 1)
+    assert s.loop_plain_step == pytest.approx(1.0)  # 0.98, 1.00, 1.02 of 0.01 s; "slight" has none
+    rows = list(plain.values()) + mode
+    machine = Machine(cpu="cpu", cores=2, os="os", python="3", mlx="0", mlx_lm="0", device="cpu",
+                      blas="blas", load_avg=0.0)
+    res = BenchResults(machine=machine, model="m", inputs=["f"], modes=["plain", "ngram"], repeat=3,
+                       max_draft=8, costs={}, replay_costs="", cases=rows, replays=[],
+                       summary=bench.summarize(rows, [], 3), files={"f": bench.summarize(rows, [], 3)})
+    assert "the ledger lost on 1" in bench.report(res)
+    text = io.StringIO()
+    bench.print_summary(res, file=text)
+    assert "the ledger lost on 1 of those under 0.97x" in text.getvalue()
+    assert "the loop's plain step 1.00x plain's" in text.getvalue()
+
+
 def test_recheck_runs_again_only_a_case_under_the_floor(default_lm, tmp_path, monkeypatch):
     """``recheck``: a case whose first repeats put n-gram under the floor runs that many more
     times, and its figures take every run; a case over the floor is not run again. The host is

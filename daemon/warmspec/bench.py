@@ -519,11 +519,15 @@ def first(row: CaseResult, repeat: int) -> CaseResult:
     return msgspec.structs.replace(row, decode_runs=runs, decode_s=statistics.median(runs))
 
 
-def under_floor(rows: list[CaseResult]) -> bool:
+def is_below_floor(row: CaseResult, plain: CaseResult) -> bool:
     """Whether a mode's row of one case is under the floor against plain's, by medians or paired."""
+    return min(case_speedup(row, plain), paired_speedup(row, plain)) < FLOOR
+
+
+def under_floor(rows: list[CaseResult]) -> bool:
+    """Whether any mode's row of one case is under the floor against plain's."""
     plain = {_key(r): r for r in rows if r.mode == "plain"}
-    return any(min(case_speedup(r, plain[_key(r)]), paired_speedup(r, plain[_key(r)])) < FLOOR
-               for r in rows if r.mode != "plain" and _key(r) in plain)
+    return any(is_below_floor(r, plain[_key(r)]) for r in rows if r.mode != "plain" and _key(r) in plain)
 
 
 def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseResult],
@@ -544,6 +548,9 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
     margins = [r.divergence.margin for r in rows if r.divergence is not None]
     spreads = [run_spread(r) for r in rows]
     rechecked = [r for r in both if repeat and len(r.decode_runs) > repeat]
+    under = [r for r in both if is_below_floor(r, plain[_key(r)])]
+    steps = [r.ledger_plain_s * p.tokens / p.decode_s for r in both
+             if r.ledger_plain_s > 0 and (p := plain[_key(r)]).decode_s > 0 and p.tokens]
     return ModeSummary(
         rechecked=len(rechecked),
         below_floor_first=sum(paired_speedup(first(r, repeat), first(plain[_key(r)], repeat)) < FLOOR
@@ -557,6 +564,8 @@ def mode_summary(rows: list[CaseResult], plain: dict[tuple[str, str, int], CaseR
         min_speedup=slowest[0], min_case=slowest[1],
         min_paired_speedup=slowest_paired[0], min_paired_case=slowest_paired[1],
         below_floor=sum(s < FLOOR for s, _ in per_case), below_floor_paired=sum(s < FLOOR for s, _ in paired),
+        below_floor_ledger=sum(r.booked_s < -(1 - FLOOR) * r.decode_s for r in under),
+        loop_plain_step=statistics.median(steps) if steps else 0.0,
         divergences=len(margins), max_divergence_margin=max(margins, default=0.0),
         run_spread=statistics.median(spreads) if spreads else 1.0,
         max_run_spread=max(spreads, default=1.0),
@@ -805,7 +814,13 @@ def report(res: BenchResults) -> str:
          "median over repeats of each repeat's ratio (its runs are seconds apart), which a host "
          "that drifts between repeats moves less; slowest run / fastest: per case, the mode's "
          "slowest repeat over its fastest -- for plain, identical work, so the host's own noise, "
-         "the yardstick for a per-case ratio"), "",
+         "the yardstick for a per-case ratio; the ledger lost on: of the cases below the floor, "
+         "those whose own ledger (drafting steps against the same run's plain steps) booked "
+         f"drafting as losing over {1 - FLOOR:.0%} of their decode time -- a case below the floor "
+         "whose ledger booked no such loss is more likely the host's noise than drafting's; loop's "
+         "plain step / plain's: the speculative loop's steady plain step over plain decoding's "
+         "time per token, median over cases; a case's ledger: what its ledger booked drafting as "
+         "saving, over its decode time (negative: lost)"), "",
         "## Per input file", "",
     ]
     summary_rows = []
@@ -819,14 +834,18 @@ def report(res: BenchResults) -> str:
                 below = f"{ms.below_floor} / {ms.below_floor_paired}" if other else ""
                 if other and ms.rechecked:
                     below += f" ({ms.rechecked} rechecked; {ms.below_floor_first} paired before)"
+                if other and (ms.below_floor or ms.below_floor_paired):
+                    below += f"; the ledger lost on {ms.below_floor_ledger}"
+                loop = f"{ms.loop_plain_step:.2f}" if ms.loop_plain_step else ""
                 spread = (f"{ms.run_spread:.2f} / {ms.max_run_spread:.2f}" if res.repeat > 1 else "")
                 summary_rows.append((f, mode, ms.cases, ms.tokens, f"{ms.decode_s:.1f}",
                                      f"{ms.tok_s:.1f}", f"{ms.speedup_vs_plain:.2f}x", slowest, paired,
                                      below, f"{ms.acceptance:.0%}", f"{ms.tokens_per_pass:.2f}", ms.identical,
-                                     spread))
+                                     spread, loop))
     lines += _table(("file", "mode", "cases", "tokens", "decode s", "tok/s", "speedup vs plain",
                      "slowest case", "slowest case, paired", f"below {FLOOR}x (medians / paired)",
-                     "acceptance", "tokens/pass", "identical", "slowest run / fastest (median / max)"),
+                     "acceptance", "tokens/pass", "identical", "slowest run / fastest (median / max)",
+                     "loop's plain step / plain's"),
                     summary_rows)
     diverged = [r for r in res.cases if r.divergence is not None]
     if diverged:
@@ -868,13 +887,14 @@ def report(res: BenchResults) -> str:
     lines += _table(
         ("file", "id", "turn", "mode", "tokens", "prefill s", "TTFT s", "decode s", "tok/s",
          "speedup", "paired", "passes", "tokens/pass", "accepted/drafted", "identical", "copy fraction",
-         "load"),
+         "load", "ledger"),
         [(r.file, r.id, r.turn, r.mode, r.tokens, f"{r.prefill_s:.2f}", f"{r.ttft_s:.3f}",
           f"{r.decode_s:.2f}", f"{_rate(r.tokens, r.decode_s):.1f}",
           f"{case_speedup(r, plain[_key(r)]):.2f}x" if _key(r) in plain else "",
           f"{paired_speedup(r, plain[_key(r)]):.2f}x" if _key(r) in plain else "",
           r.passes, f"{r.tokens / r.passes:.2f}" if r.passes else "", f"{r.accepted}/{r.drafted}",
-          "yes" if r.identical_to_plain else "NO", f"{r.copy_fraction:.0%}", f"{r.load_avg:.1f}")
+          "yes" if r.identical_to_plain else "NO", f"{r.copy_fraction:.0%}", f"{r.load_avg:.1f}",
+          f"{r.booked_s / r.decode_s:+.1%}" if r.mode != "plain" and r.decode_s > 0 else "")
          for r in res.cases])
     if res.replays:
         lines += ["", "## Replays", ""]
@@ -959,6 +979,10 @@ def print_summary(res: BenchResults, file=sys.stdout) -> None:
                 if ms.rechecked and "plain" in res.modes:
                     vs += (f"{ms.below_floor_paired} under {FLOOR}x paired after {ms.rechecked} "
                            f"rechecked ({ms.below_floor_first} on their first repeats), ")
+                if (ms.below_floor or ms.below_floor_paired) and "plain" in res.modes:
+                    vs += f"the ledger lost on {ms.below_floor_ledger} of those under {FLOOR}x, "
+                if ms.loop_plain_step:
+                    vs += f"the loop's plain step {ms.loop_plain_step:.2f}x plain's, "
                 parts.append(f"{mode} {vs}"
                              f"acceptance {ms.acceptance:.0%}, {ms.tokens_per_pass:.2f} tok/pass"
                              + (f", identical {ms.identical}" if "plain" in res.modes else "")

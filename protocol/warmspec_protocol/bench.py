@@ -149,6 +149,18 @@ class ModeSummary(Struct, kw_only=True):
     # every repeat)
     rechecked: int = 0
     below_floor_first: int = 0
+    # of the cases under the floor (by medians or paired), those whose ledger booked drafting as
+    # losing more than the floor allows (``booked_s`` under -(1 - FLOOR) of their decode time).
+    # The ledger compares steps of one run (each drafting step against the request's own plain
+    # steps), so a host that drifts between runs moves it little; the ratios compare runs. On an
+    # H100 whose plain repeats of one prompt spread a median 20%, each of the 5 cases our 36 prose
+    # prompts put under the floor (float32 and 4-bit) had its ledger booking a gain, of 0.5-6.8%
+    # of its decode time (docs/bench/gpu-s47/)
+    below_floor_ledger: int = 0
+    # the loop's steady plain step (``ledger_plain_s``) over plain decoding's time per token,
+    # median over the cases that have one (0.0: none): what the speculative loop adds to a step
+    # that drafts nothing (the ledger does not book it)
+    loop_plain_step: float = 0.0
     divergences: int = 0
     max_divergence_margin: float = 0.0
     # the host's noise: per case, this mode's slowest repeat over its fastest (identical work for
