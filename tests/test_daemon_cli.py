@@ -258,13 +258,13 @@ def test_lsp_on_stdio(env, tmp_path, mode):
         await client.shutdown_async(None)
         client.exit(None)
         await asyncio.wait_for(client.stop(), 60)  # returns once the server process has exited
-        return result, ghost, refused.value, client.returncode
+        return result, ghost, refused.value, client.returncode, client.stderr
 
-    result, ghost, refused, code = asyncio.run(scenario())
+    result, ghost, refused, code, stderr = asyncio.run(scenario())
     assert result.capabilities.inline_completion_provider is not None
     assert ghost.items and ghost.items[0].insert_text
     assert refused.code == ErrorCode.PATH_REFUSED
-    assert code == 0
+    assert code == 0, stderr.decode(errors="replace")[-4000:]
     runtime = Path(env["WARMSPEC_RUNTIME_DIR"])
     assert (runtime / "warmspec.pid").exists() == (not mode)  # the daemon outlives the editor
 

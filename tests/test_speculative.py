@@ -415,6 +415,32 @@ def test_the_first_token_is_read_before_a_pass_is_queued_behind_it():
         engine.model = counting._model
 
 
+def test_a_consumer_that_stops_early_leaves_no_pass_in_flight(monkeypatch):
+    """Ghost text stops at the end of a line with the next pass queued ahead: the generation
+    waits for it on its stream before it ends (a process exiting with a pass inside OpenBLAS hung
+    in OpenBLAS's shutdown), and the next request decodes as plain decoding does."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+    from test_engine import reference_greedy
+
+    synced = []
+    real = mx.synchronize
+    monkeypatch.setattr(mx, "synchronize", lambda *a, **k: (synced.append(a or k), real(*a, **k))[1])
+    lm = tiny.build("llama")
+    prompt = list(range(3, 30))
+    ref = reference_greedy(lm.model, prompt, 12, lm.tokenizer.eos_ids)
+    for engine in (Engine(lm, speculate=False),
+                   Engine(lm, speculate=True, costs=CostTable(PIPELINED.points, PIPELINED.plain_points))):
+        steps = engine.generate_tokens(prompt, Run(SamplingParams(temperature=0.0), 12, GenerationStats()))
+        out = next(steps) + next(steps)  # the consumer takes two steps and stops
+        assert out == ref[:len(out)]
+        synced.clear()
+        steps.close()
+        assert synced == [(generation_stream,)]
+        run = Run(SamplingParams(temperature=0.0), 12, GenerationStats())
+        assert [t for new in engine.generate_tokens(prompt, run) for t in new] == ref
+
+
 class SlowDrafter:
     """A drafter that takes ``delay`` seconds per proposal and is right half the time."""
 

@@ -423,7 +423,14 @@ class Engine:
         """Yield the tokens accepted by each pass (cut at end-of-sequence and the budget); see
         ``_generate_tokens``. Runs as mlx-lm's generation does, for device memory on Apple GPUs: on
         its generation stream, under the recommended wired limit, with MLX's buffer cache cleared
-        every ``CLEAR_EVERY`` tokens and at the end."""
+        every ``CLEAR_EVERY`` tokens and at the end.
+
+        It ends with nothing in flight on the stream: a consumer that stops early (ghost text at
+        the end of a line, a stop string, a cancel) leaves the pass queued ahead running, and a
+        process that exits while MLX's stream thread is inside OpenBLAS hangs in OpenBLAS's
+        shutdown (a matmul left by ``async_eval``: 3 exits of 3 hung; synchronized, none). mlx-lm
+        synchronizes there only under a wired limit (Metal). The wait is at most that one pass,
+        which the next request's passes would queue behind anyway."""
         with mx.stream(generation_stream), wired_limit(self.model, [generation_stream]):
             produced = 0
             steps = self._generate_tokens(prompt, run, **kw)
@@ -436,6 +443,7 @@ class Engine:
                     yield new
             finally:
                 steps.close()  # its own cleanup (the pass run ahead, checkpoints) now, not at GC
+                mx.synchronize(generation_stream)
                 mx.clear_cache()
 
     def _generate_tokens(
