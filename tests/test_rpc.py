@@ -878,14 +878,21 @@ def test_tokenizing_one_request_does_not_stall_other_connections(tiny_daemon, sp
     uri = (tiny_daemon.root / "stall.py").as_uri()
     text = "def stall():\n    return " + method
     with tiny_daemon.client() as busy, tiny_daemon.client() as other:
+        # the hold is set before the request is sent: set after it, a daemon that tokenized first
+        # let the request through unheld and the test waited for nothing (one fresh-clone CI run)
         if method == "warmspec/complete":
+            spied.hold = True
             msg_id = busy.start(method, wire.CompleteParams(prompt=text, max_tokens=2))
         else:
             busy.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python",
                                                                   "version": 1, "text": text}})
+            deadline = time.monotonic() + 30  # the document's own tokenizing (its index) is not held
+            while spied.calls < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert spied.calls >= 1, "didOpen never indexed the document"
+            spied.hold = True
             msg_id = busy.start(method, {"textDocument": {"uri": uri}, "position": {"line": 1, "character": 10},
                                          "context": {"triggerKind": 1}})
-        spied.hold = True
         assert spied.entered.wait(30), "the request never reached the tokenizer"
         other.start("warmspec/status", None)
         status = other.read(30)  # the tokenizer holds on for 60 s: this reply comes while it does
